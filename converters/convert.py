@@ -1,0 +1,71 @@
+"""`dinfer-jax convert SRC_HF_DIR DST_DIR` and `dinfer-jax export DIR HF_DIR`."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from converters.hf_import import iter_params, open_checkpoint
+from converters.mappings import table
+from converters.safetensors_io import write_file
+from dinfer_jax import checkpoint as ckpt
+from dinfer_jax.config import to_hf_dict
+
+
+def convert(src: str, dst: str, dtype=None, progress: bool = True) -> dict:
+    """HF folder -> dinfer-jax checkpoint, one stacked parameter in memory at a time.
+
+    Returns {path: shape} of the written params.
+    """
+    cfg, source = open_checkpoint(src)
+    with open(os.path.join(src, "config.json")) as f:
+        hf_config = json.load(f)
+    writer = ckpt.CheckpointWriter(dst)
+    try:
+        for path, arr in iter_params(cfg, source, dtype, progress):
+            writer.add(path, arr)
+            del arr
+    finally:
+        source.close()
+    writer.finish(hf_config, src)
+    return {p: s["shape"] for p, s in writer.specs.items()}
+
+
+def export(src: str, dst: str, progress: bool = True):
+    """dinfer-jax checkpoint -> HF folder (per-expert names; one safetensors shard per parameter).
+
+    Tensors keep their stored dtype, so HF -> dinfer-jax -> HF is bit-exact.
+    """
+    if not ckpt.is_checkpoint(src):
+        raise FileNotFoundError(f"{src}: not a dinfer-jax checkpoint (no {ckpt.MANIFEST})")
+    cfg = ckpt.read_config(src)
+    man = ckpt.read_manifest(src)
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        hf_config = json.load(f)
+    if hf_config.get("architectures", [None])[0] == "FusedLLaDAMoEModelLM":
+        hf_config = {**hf_config, "architectures": to_hf_dict(cfg)["architectures"]}
+        hf_config.pop("auto_map", None)
+    entries = table(cfg)
+    n = len(entries)
+    weight_map = {}
+    for i, entry in enumerate(tqdm(entries, desc="export", disable=not progress)):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        spec = man["params"][entry.path]
+        shape, dt = tuple(spec["shape"]), np.dtype(spec["dtype"])
+        piece = shape[len(entry.stack):]
+        arr = ckpt.read_param(src, entry.path)
+        pieces = dict((name, idx) for idx, name in entry.pieces(cfg))
+        specs = {name: (dt, entry.hf_shape(piece)) for name in pieces}
+        write_file(os.path.join(dst, fname), lambda name: entry.to_hf(arr[pieces[name]]),
+                   metadata={"format": "pt"}, specs=specs)
+        weight_map.update({name: fname for name in pieces})
+        del arr
+    total = sum(int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for s in man["params"].values())
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    ckpt.copy_side_files(src, dst)

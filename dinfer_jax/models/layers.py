@@ -1,0 +1,109 @@
+"""Shared building blocks: RMSNorm, NeoX rotary embedding, bidirectional attention, SwiGLU MLP.
+
+Every parameter is declared with logical axis names (see `sharding.py` for the mesh rules); the
+layers read only `ModelConfig` fields, never a model family.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.config import ModelConfig
+from pallas_kernels.attention import attention_reference
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def param(module: nn.Module, name: str, shape, axes, dtype, init=_init):
+    """A parameter with logical axis names `axes` (one per dim)."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def rms_normalize(x, weight, eps: float):
+    """x * rsqrt(mean(x^2) + eps) with statistics in fp32, cast back to x.dtype, times weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * weight.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis; `axis_name` is the logical name of that axis."""
+    eps: float
+    axis_name: str = "embed"
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = param(self, "scale", (x.shape[-1],), (self.axis_name,), self.param_dtype, nn.initializers.ones)
+        return rms_normalize(x, w, self.eps)
+
+
+def rotary_embedding(x_BSnH, positions_BS, theta: float, rotary_dim: int):
+    """NeoX (rotate-half) RoPE on the first `rotary_dim` of H; angles and rotation in fp32.
+
+    x_BSnH: (B, S, heads, H); positions_BS: int positions. inv_freq_i = theta^(-2i/rotary_dim).
+    """
+    H = x_BSnH.shape[-1]
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    ang_BSh = positions_BS.astype(jnp.float32)[..., None] * inv_freq  # (B, S, half)
+    cos = jnp.cos(ang_BSh)[:, :, None, :]
+    sin = jnp.sin(ang_BSh)[:, :, None, :]
+    x32 = x_BSnH.astype(jnp.float32)
+    x1, x2, rest = x32[..., :half], x32[..., half:rotary_dim], x32[..., rotary_dim:]
+    rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if rotary_dim < H:
+        rot = jnp.concatenate([rot, rest], axis=-1)
+    return rot.astype(x_BSnH.dtype)
+
+
+class Attention(nn.Module):
+    """Bidirectional multi-head attention with GQA, optional per-head q/k RMSNorm, and RoPE.
+
+    __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None) -> (out_BSD, (k_BLKH, v_BLKH)).
+    Without `kv`, keys/values are this call's own (L == S). With `kv` = full-length (k_BLKH, v_BLKH),
+    the S fresh keys/values are written at [window_start, window_start+S) and queries attend to all L.
+    """
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None):
+        c = self.cfg
+        D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        wq = param(self, "q_proj", (D, N, H), ("embed", "heads", "head_dim"), self.dtype)
+        wk = param(self, "k_proj", (D, K, H), ("embed", "kv_heads", "head_dim"), self.dtype)
+        wv = param(self, "v_proj", (D, K, H), ("embed", "kv_heads", "head_dim"), self.dtype)
+        wo = param(self, "o_proj", (N, H, D), ("heads", "head_dim", "embed"), self.dtype)
+        q = jnp.einsum("bsd,dnh->bsnh", x_BSD, wq)
+        k = jnp.einsum("bsd,dkh->bskh", x_BSD, wk)
+        v = jnp.einsum("bsd,dkh->bskh", x_BSD, wv)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
+        q = rotary_embedding(q, positions_BS, c.rope_theta, c.rotary)
+        k = rotary_embedding(k, positions_BS, c.rope_theta, c.rotary)
+        if kv is not None:
+            k_full, v_full = kv
+            start = (0, window_start, 0, 0)
+            k = jax.lax.dynamic_update_slice(k_full, k.astype(k_full.dtype), start)
+            v = jax.lax.dynamic_update_slice(v_full, v.astype(v_full.dtype), start)
+        with jax.named_scope("attention_core"):
+            o_BSNH = attention_reference(q, k, v, key_mask_BL)
+        return jnp.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU: down(silu(x @ gate) * (x @ up)). x_BSD -> y_BSD."""
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD):
+        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
+        wg = param(self, "gate_proj", (D, F), ("embed", "mlp"), self.dtype)
+        wu = param(self, "up_proj", (D, F), ("embed", "mlp"), self.dtype)
+        wd = param(self, "down_proj", (F, D), ("mlp", "embed"), self.dtype)
+        h = nn.silu(x_BSD @ wg) * (x_BSD @ wu)
+        return h @ wd

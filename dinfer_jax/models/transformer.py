@@ -1,0 +1,102 @@
+"""The bidirectional decoder stack shared by LLaDA (dense) and LLaDA-MoE.
+
+Pure-functional Flax Linen: `Transformer(cfg).apply({"params": params}, ...)`. Layers are stacked
+with `nn.scan` (params carry a leading layer axis), which keeps compile time flat in depth.
+
+Param tree (shapes; L_ = layers):
+  embed/embedding (V, D)
+  layers/attn_norm/scale (L_, D)          layers/mlp_norm/scale (L_, D)
+  layers/attn/{q,k,v}_proj (L_, D, N|K, H) layers/attn/o_proj (L_, N, H, D)
+  layers/attn/{q,k}_norm/scale (L_, H)     (qk_norm only)
+  layers/mlp/{gate,up}_proj (L_, D, F), down_proj (L_, F, D)               (dense)
+  layers/mlp/router (L_, D, E), {gate,up}_proj (L_, E, D, F), down_proj (L_, E, F, D)   (MoE)
+  final_norm/scale (D)    lm_head/kernel (D, V)   (absent when tie_word_embeddings)
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
+from dinfer_jax.models.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)). Scanned over layers."""
+    cfg: ModelConfig
+    moe_impl: str = "ragged"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start):
+        c = self.cfg
+        a, new_kv = Attention(c, self.dtype, name="attn")(
+            RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
+            positions_BS, key_mask_BL, kv, window_start)
+        h = x_BSD + a
+        m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
+        mlp = MoE(c, self.moe_impl, self.dtype, name="mlp") if c.is_moe else MLP(c, self.dtype, name="mlp")
+        return h + mlp(m), new_kv
+
+
+class Transformer(nn.Module):
+    """__call__(tokens_BS | embeds_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None)
+    -> (logits_BSV fp32, (k_LBLKH, v_LBLKH)) where the leading L is the layer axis.
+
+    Without `kv`, the S inputs are the whole sequence (L == S). With `kv` (per-layer full-length
+    caches stacked over layers), the S inputs are a window starting at `window_start`; their fresh
+    K/V are written into the cache copy before attention and the updated caches are returned.
+    key_mask_BL: True for keys that may be attended (False = left padding).
+    """
+    cfg: ModelConfig
+    moe_impl: str = "ragged"
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        self.embed = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype, dtype=self.dtype,
+                              embedding_init=nn.with_logical_partitioning(
+                                  nn.initializers.normal(0.02), ("vocab", "embed")))
+        self.layers = nn.scan(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(c, self.moe_impl, self.dtype)
+        self.final_norm = RMSNorm(c.rms_norm_eps, "embed", self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
+
+    def embed_tokens(self, tokens_BS):
+        """tokens_BS -> embeds_BSD (also used to build soft embeddings for iteration smoothing)."""
+        return self.embed(tokens_BS)
+
+    def __call__(self, tokens_BS=None, embeds_BSD=None, positions_BS=None, key_mask_BL=None,
+                 kv=None, window_start=None):
+        if (tokens_BS is None) == (embeds_BSD is None):
+            raise ValueError("Transformer: pass exactly one of tokens_BS or embeds_BSD")
+        x = self.embed(tokens_BS) if embeds_BSD is None else embeds_BSD.astype(self.dtype)
+        B, S, _ = x.shape
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        with jax.named_scope("layers"):
+            x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start)
+        x = self.final_norm(x)
+        if self.cfg.tie_word_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), new_kv
+
+
+class LMHead(nn.Module):
+    """x_BSD @ kernel (D, V)."""
+    features_in: int
+    vocab: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD):
+        w = param(self, "kernel", (self.features_in, self.vocab), ("embed", "vocab"), self.dtype)
+        return jnp.einsum("bsd,dv->bsv", x_BSD, w)

@@ -1,0 +1,1 @@
+"""Kernels for dinfer-jax, each beside a pure-JAX reference it is tested against."""

@@ -1,0 +1,171 @@
+"""Independent PyTorch references from `transformers`, and tiny HF checkpoint folders on disk.
+
+- LLaDA-MoE  <->  Qwen3MoeForCausalLM: same block (pre-norm, per-head q/k RMSNorm before NeoX RoPE,
+  fp32-softmax router over all experts then top-k, norm_topk_prob=False, SwiGLU experts).
+- LLaDA dense <-> LlamaForCausalLM (GQA allowed).
+
+Bidirectionality: both reference models are run with attn_implementation="eager" and an explicit
+4-D additive attention mask of shape (B, 1, L, L). transformers returns a 4-D mask unchanged
+(masking_utils._preprocess_mask_arguments), so no causal triangle is added; the mask is 0 for
+attended keys and -inf-like for padded keys. `tests/test_parity_transformers.py` asserts the
+reference really is bidirectional (a later token changes an earlier position's logits) and that a
+causal run disagrees with ours.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from dinfer_jax.config import ModelConfig, to_hf_dict
+
+
+def _randomize(model: torch.nn.Module, seed: int, std: float = 0.1):
+    """Re-draw every weight ~ N(0, std); norm weights ~ 1 + N(0, std) so they matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * std
+            p.copy_((1.0 + noise) if "norm" in name else noise)
+
+
+def qwen3_moe_reference(cfg: ModelConfig, seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    hf = Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, moe_intermediate_size=cfg.intermediate_size,
+        num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False, attention_bias=False,
+        use_sliding_window=False, attn_implementation="eager")
+    assert cfg.rotary == cfg.head_dim and cfg.qk_norm and not cfg.tie_word_embeddings
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(hf).eval()
+    _randomize(model, seed)
+    return model
+
+
+def llama_reference(cfg: ModelConfig, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=False, mlp_bias=False, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf).eval()
+    _randomize(model, seed)
+    return model
+
+
+def llada_moe_state_dict(model) -> dict[str, torch.Tensor]:
+    """Qwen3Moe state dict (transformers fuses experts as gate_up_proj (E, 2F, D), down_proj
+    (E, D, F)) -> LLaDA-MoE HF names with per-expert tensors."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            pre = k[: -len("gate_up_proj")]
+            F = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"] = v[e, :F].clone()
+                out[f"{pre}{e}.up_proj.weight"] = v[e, F:].clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            pre = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[k] = v.clone()
+    return out
+
+
+def fuse_experts(sd: dict[str, torch.Tensor], num_layers: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """Per-expert LLaDA-MoE names -> dInfer's fused mlp.w1 (E, 2F, D) / mlp.w2 (E, D, F)."""
+    out = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
+    for l in range(num_layers):
+        p = f"model.layers.{l}.mlp."
+        out[p + "w1"] = torch.stack([torch.cat([sd[f"{p}experts.{e}.gate_proj.weight"],
+                                                sd[f"{p}experts.{e}.up_proj.weight"]], 0)
+                                     for e in range(num_experts)])
+        out[p + "w2"] = torch.stack([sd[f"{p}experts.{e}.down_proj.weight"] for e in range(num_experts)])
+    return out
+
+
+_LLAMA_TO_LLADA = [
+    ("model.embed_tokens.weight", "model.transformer.wte.weight"),
+    ("model.norm.weight", "model.transformer.ln_f.weight"),
+    ("lm_head.weight", "model.transformer.ff_out.weight"),
+]
+_LLAMA_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ff_norm", "self_attn.q_proj": "q_proj",
+    "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj", "self_attn.o_proj": "attn_out",
+    "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj", "mlp.down_proj": "ff_out",
+}
+
+
+def llada_state_dict(model, tied: bool = False) -> dict[str, torch.Tensor]:
+    """Llama state dict -> LLaDA (dense) HF names."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if tied and k == "lm_head.weight":
+            continue
+        for a, b in _LLAMA_TO_LLADA:
+            if k == a:
+                out[b] = v.clone()
+                break
+        else:
+            parts = k.split(".")  # model.layers.{i}.<sub>.weight
+            sub = ".".join(parts[3:-1])
+            out[f"model.transformer.blocks.{parts[2]}.{_LLAMA_LAYER[sub]}.weight"] = v.clone()
+    return out
+
+
+def write_hf_folder(folder: str, cfg: ModelConfig, sd: dict[str, torch.Tensor], fmt: str = "safetensors",
+                    shards: int = 1, dtype: torch.dtype | None = None, hf_config: dict | None = None):
+    """Write a real HF checkpoint folder: config.json + model.safetensors / sharded with index / .bin."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    sd = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in sd.items()}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config or to_hf_dict(cfg), f, indent=1)
+    names = sorted(sd)
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    if shards == 1:
+        fname = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+        groups = {fname: names}
+    else:
+        groups = {f"{'model' if ext == 'safetensors' else 'pytorch_model'}-{i + 1:05d}-of-{shards:05d}.{ext}":
+                  names[i::shards] for i in range(shards)}
+    for fname, keys in groups.items():
+        part = {k: sd[k] for k in keys}
+        if fmt == "safetensors":
+            save_file(part, os.path.join(folder, fname), metadata={"format": "pt"})
+        else:
+            torch.save(part, os.path.join(folder, fname))
+    if shards > 1:
+        index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+        wm = {k: fname for fname, keys in groups.items() for k in keys}
+        with open(os.path.join(folder, index), "w") as f:
+            json.dump({"metadata": {}, "weight_map": wm}, f)
+
+
+def bidirectional_logits(model, ids: np.ndarray, key_mask: np.ndarray | None = None) -> np.ndarray:
+    """Reference logits with a full (non-causal) additive 4-D mask; padded keys get -1e30."""
+    ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    B, L = ids_t.shape
+    add = torch.zeros(B, 1, L, L, dtype=torch.float32)
+    if key_mask is not None:
+        km = torch.as_tensor(np.asarray(key_mask, bool))
+        add = add.masked_fill(~km[:, None, None, :], -1e30)
+    with torch.no_grad():
+        return model(input_ids=ids_t, attention_mask=add).logits.float().numpy()
+
+
+def causal_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
