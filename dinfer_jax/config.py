@@ -75,8 +75,9 @@ class ModelConfig:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                 f"[1, num_experts={self.num_experts}]")
-        for name in ("mask_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
+            v = getattr(self, name)
+            if (v is not None or name in ("mask_token_id", "eos_token_id")) and not 0 <= v < self.vocab_size:
                 problems.append(f"{name}={getattr(self, name)} outside the vocabulary [0, {self.vocab_size})")
         if problems:
             raise ConfigError("invalid ModelConfig: " + "; ".join(problems))
@@ -146,6 +147,8 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
     for k in ids:
         if hf.get(k) is not None:
             ids[k] = int(hf[k])
+        elif k in hf and k in ("pad_token_id", "eot_token_id"):
+            ids[k] = None  # explicitly null in config.json
     if family == "llada":
         if hf.get("attention_layer_norm"):
             raise ConfigError(f"{where}: attention_layer_norm=true (qk-norm over the full width) is not supported")

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny HF checkpoint folders written once per session (real names, real formats)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dinfer_jax.config import preset  # noqa: E402
+
+# LLaDA-MoE test model: GQA 4/2, 8 experts top-2 (uneven loads at these sizes).
+MOE_CFG = preset("tiny")
+# LLaDA dense test model with GQA (LLaDA-8B is MHA; n_kv_heads < n_heads is also valid config).
+DENSE_CFG = preset("tiny-dense").replace(num_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def moe_ref():
+    from hf_reference import llada_moe_state_dict, qwen3_moe_reference
+    model = qwen3_moe_reference(MOE_CFG, seed=1)
+    return MOE_CFG, model, llada_moe_state_dict(model)
+
+
+@pytest.fixture(scope="session")
+def dense_ref():
+    from hf_reference import llada_state_dict, llama_reference
+    model = llama_reference(DENSE_CFG, seed=2)
+    return DENSE_CFG, model, llada_state_dict(model)
+
+
+@pytest.fixture(scope="session")
+def moe_hf_dir(tmp_path_factory, moe_ref):
+    from hf_reference import write_hf_folder
+    cfg, _, sd = moe_ref
+    d = str(tmp_path_factory.mktemp("moe_hf"))
+    write_hf_folder(d, cfg, sd)
+    return d
+
+
+@pytest.fixture(scope="session")
+def dense_hf_dir(tmp_path_factory, dense_ref):
+    from hf_reference import write_hf_folder
+    cfg, _, sd = dense_ref
+    d = str(tmp_path_factory.mktemp("dense_hf"))
+    write_hf_folder(d, cfg, sd)
+    return d
+
+
+@pytest.fixture(scope="session")
+def moe_model(moe_hf_dir):
+    from dinfer_jax import load_model
+    return load_model(moe_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def dense_model(dense_hf_dir):
+    from dinfer_jax import load_model
+    return load_model(dense_hf_dir)
+
+
+@pytest.fixture
+def rng():
+    return np.random.RandomState(1234)

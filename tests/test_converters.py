@@ -1,0 +1,193 @@
+"""Converters: every input layout gives identical params; HF -> dinfer-jax -> HF is bit-exact;
+bad checkpoints fail with one clear message."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from converters import ConversionError, convert, export, load_hf_params
+from dinfer_jax import load_model
+from dinfer_jax.config import ConfigError
+from hf_reference import fuse_experts, write_hf_folder
+
+
+def _same_params(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(a[k].view(np.uint8), b[k].view(np.uint8), err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def moe_params(moe_hf_dir):
+    return load_hf_params(moe_hf_dir)[1]
+
+
+@pytest.mark.parametrize("fmt,shards", [("safetensors", 3), ("bin", 1), ("bin", 2)])
+def test_layouts_give_identical_params(tmp_path, moe_ref, moe_params, fmt, shards):
+    cfg, _, sd = moe_ref
+    write_hf_folder(str(tmp_path), cfg, sd, fmt=fmt, shards=shards)
+    _same_params(load_hf_params(str(tmp_path))[1], moe_params)
+
+
+def test_fused_and_unfused_layouts_identical(tmp_path, moe_ref, moe_params):
+    cfg, _, sd = moe_ref
+    fused = fuse_experts(sd, cfg.num_layers, cfg.num_experts)
+    assert "model.layers.0.mlp.w1" in fused and fused["model.layers.0.mlp.w1"].shape == (
+        cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
+    from dinfer_jax.config import to_hf_dict
+    write_hf_folder(str(tmp_path), cfg, fused, shards=2,
+                    hf_config={**to_hf_dict(cfg), "architectures": ["FusedLLaDAMoEModelLM"]})
+    _same_params(load_hf_params(str(tmp_path))[1], moe_params)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_bit_exact(tmp_path, moe_ref, dtype):
+    from safetensors.numpy import load_file as np_load  # independent reader (not ours)
+    cfg, _, sd = moe_ref
+    src, mid, back = (str(tmp_path / n) for n in ("src", "mid", "back"))
+    write_hf_folder(src, cfg, sd, shards=2, dtype=dtype)
+    (tmp_path / "src" / "tokenizer.json").write_text('{"fake": true}')
+    convert(src, mid, progress=False)
+    export(mid, back, progress=False)
+    want = {k: v.to(dtype).contiguous() for k, v in sd.items()}
+    got = {}
+    for f in os.listdir(back):
+        if f.endswith(".safetensors"):
+            if dtype == torch.bfloat16:
+                from safetensors.torch import load_file
+                got.update(load_file(os.path.join(back, f)))
+            else:
+                got.update({k: torch.from_numpy(v) for k, v in np_load(os.path.join(back, f)).items()})
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+    assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(src, "config.json")))
+    assert os.path.isfile(os.path.join(back, "tokenizer.json")) and os.path.isfile(os.path.join(mid, "tokenizer.json"))
+    idx = json.load(open(os.path.join(back, "model.safetensors.index.json")))
+    assert set(idx["weight_map"]) == set(want)
+
+
+def test_dense_round_trip_and_checkpoint_logits(tmp_path, dense_hf_dir, dense_model, rng):
+    ck, back = str(tmp_path / "ck"), str(tmp_path / "back")
+    convert(dense_hf_dir, ck, progress=False)
+    export(ck, back, progress=False)
+    _same_params(load_hf_params(back)[1], load_hf_params(dense_hf_dir)[1])
+    ids = rng.randint(0, dense_model.config.vocab_size, (1, 9))
+    np.testing.assert_array_equal(load_model(ck).logits(ids), dense_model.logits(ids))
+
+
+def test_convert_with_dtype_cast(tmp_path, moe_hf_dir):
+    convert(moe_hf_dir, str(tmp_path / "ck"), dtype=np.dtype(ml_dtypes.bfloat16), progress=False)
+    man = json.load(open(tmp_path / "ck" / "dinfer_jax.json"))
+    assert {s["dtype"] for s in man["params"].values()} == {"bfloat16"}
+
+
+def test_tied_embeddings_llada(tmp_path, rng):
+    """LLaDA with weight_tying=true: no ff_out LM head tensor; logits use wte^T (vs tied Llama)."""
+    from conftest import DENSE_CFG
+    from hf_reference import bidirectional_logits, llada_state_dict, llama_reference
+    cfg = DENSE_CFG.replace(tie_word_embeddings=True)
+    ref = llama_reference(cfg, seed=5)
+    sd = llada_state_dict(ref, tied=True)
+    assert "model.transformer.ff_out.weight" not in sd
+    write_hf_folder(str(tmp_path), cfg, sd)
+    ids = rng.randint(0, cfg.vocab_size, (1, 8))
+    r, o = bidirectional_logits(ref, ids), load_model(str(tmp_path)).logits(ids)
+    assert np.abs(r - o).max() <= 1e-4 * np.abs(r).max()
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+
+@pytest.fixture
+def hf_copy(tmp_path, moe_hf_dir):
+    d = tmp_path / "hf"
+    shutil.copytree(moe_hf_dir, d)
+    return d
+
+
+def test_truncated_safetensors(hf_copy):
+    f = hf_copy / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ConversionError, match=r"model.safetensors: file is truncated: its header declares \d+ bytes, the file has \d+"):
+        load_hf_params(str(hf_copy))
+    f.write_bytes(data[:20])
+    with pytest.raises(ConversionError, match="model.safetensors: file is truncated"):
+        load_hf_params(str(hf_copy))
+
+
+def _rewrite(folder, cfg, sd):
+    os.remove(os.path.join(folder, "model.safetensors"))
+    write_hf_folder(str(folder), cfg, sd)
+
+
+def test_missing_unexpected_and_wrong_shape_listed_together(hf_copy, moe_ref):
+    cfg, _, sd = moe_ref
+    bad = dict(sd)
+    del bad["model.layers.1.mlp.experts.3.up_proj.weight"]
+    bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(5, cfg.hidden_size)
+    bad["model.layers.0.mlp.shared_expert.weight"] = torch.zeros(2)
+    _rewrite(hf_copy, cfg, bad)
+    with pytest.raises(ConversionError) as e:
+        load_hf_params(str(hf_copy))
+    msg = str(e.value)
+    assert "1 missing tensors:\n  model.layers.1.mlp.experts.3.up_proj.weight" in msg
+    assert "1 unexpected tensors:\n  model.layers.0.mlp.shared_expert.weight" in msg
+    assert "model.layers.0.self_attn.k_proj.weight: expected shape [32, 64], found [5, 64]" in msg
+
+
+def test_unknown_architecture_in_folder(hf_copy):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    (hf_copy / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="unknown architecture 'GPT2LMHeadModel'"):
+        load_model(str(hf_copy))
+
+
+def test_missing_shard_and_empty_folder(tmp_path, moe_ref):
+    cfg, _, sd = moe_ref
+    write_hf_folder(str(tmp_path / "s"), cfg, sd, shards=2)
+    os.remove(tmp_path / "s" / "model-00002-of-00002.safetensors")
+    with pytest.raises(ConversionError, match="names shard files that are missing: model-00002-of-00002.safetensors"):
+        load_hf_params(str(tmp_path / "s"))
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text((tmp_path / "s" / "config.json").read_text())
+    with pytest.raises(ConversionError, match=r"no \*.safetensors or \*.bin weight files"):
+        load_hf_params(str(tmp_path / "e"))
+
+
+def test_corrupt_bin(hf_copy):
+    os.remove(hf_copy / "model.safetensors")
+    (hf_copy / "pytorch_model.bin").write_bytes(b"not a zip file at all")
+    with pytest.raises(ConversionError, match="pytorch_model.bin: cannot load as a PyTorch checkpoint"):
+        load_hf_params(str(hf_copy))
+
+
+def test_destination_not_empty(tmp_path, moe_hf_dir):
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(FileExistsError, match="destination exists and is not empty"):
+        convert(moe_hf_dir, str(tmp_path), progress=False)
+
+
+def test_cli_convert_and_errors(tmp_path, moe_hf_dir):
+    exe = [sys.executable, "-m", "dinfer_jax.cli"]
+    ok = subprocess.run(exe + ["convert", moe_hf_dir, str(tmp_path / "ck"), "--quiet"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "wrote 15 parameters" in ok.stdout
+    bad = subprocess.run(exe + ["logits", "--model", str(tmp_path / "nope"), "--prompt-ids", "1,2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "dinfer-jax: error: model folder" in bad.stderr and "Traceback" not in bad.stderr
+    oov = subprocess.run(exe + ["logits", "--model", str(tmp_path / "ck"), "--prompt-ids", "1,99999", "--json"],
+                         capture_output=True, text=True)
+    assert oov.returncode == 2 and "token id 99999 is out of the vocabulary" in oov.stderr
+    good = subprocess.run(exe + ["logits", "--model", str(tmp_path / "ck"), "--prompt-ids", "1,2,3", "--json"],
+                          capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["shape"] == [3, 128]
