@@ -15,7 +15,7 @@ from dinfer_jax.config import to_hf_dict
 
 
 def convert(src: str, dst: str, dtype=None, progress: bool = True) -> dict:
-    """HF folder -> dinfer-jax checkpoint, one stacked parameter in memory at a time.
+    """HF folder -> dinfer-jax checkpoint, one layer slab in memory at a time.
 
     Returns {path: shape} of the written params.
     """
@@ -24,8 +24,8 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True) -> dict:
         hf_config = json.load(f)
     writer = ckpt.CheckpointWriter(dst)
     try:
-        for path, arr in iter_params(cfg, source, dtype, progress):
-            writer.add(path, arr)
+        for path, layer, arr in iter_params(cfg, source, dtype, progress):
+            writer.add(path, layer, arr)
             del arr
     finally:
         source.close()
@@ -56,13 +56,20 @@ def export(src: str, dst: str, progress: bool = True):
         spec = man["params"][entry.path]
         shape, dt = tuple(spec["shape"]), np.dtype(spec["dtype"])
         piece = shape[len(entry.stack):]
-        arr = ckpt.read_param(src, entry.path)
-        pieces = dict((name, idx) for idx, name in entry.pieces(cfg))
+        layered = spec["layers"] is not None
+        pieces = {name: idx for idx, name in entry.pieces(cfg)}
         specs = {name: (dt, entry.hf_shape(piece)) for name in pieces}
-        write_file(os.path.join(dst, fname), lambda name: entry.to_hf(arr[pieces[name]]),
-                   metadata={"format": "pt"}, specs=specs)
+        slab = {"layer": None, "arr": None}
+
+        def produce(name):
+            idx = pieces[name]
+            layer = idx[0] if layered else None
+            if slab["arr"] is None or slab["layer"] != layer:  # names sort by layer: one slab at a time
+                slab["layer"], slab["arr"] = layer, ckpt.read_slab(src, entry.path, layer)
+            return entry.to_hf(slab["arr"][idx[1:] if layered else idx])
+
+        write_file(os.path.join(dst, fname), produce, metadata={"format": "pt"}, specs=specs)
         weight_map.update({name: fname for name in pieces})
-        del arr
     total = sum(int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for s in man["params"].values())
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)

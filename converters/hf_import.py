@@ -1,7 +1,7 @@
-"""Hugging Face folder -> dinfer-jax params, streamed one stacked parameter at a time.
+"""Hugging Face folder -> dinfer-jax params, streamed one layer slab at a time.
 
-Peak host memory: the largest stacked parameter (e.g. one (layers, E, D, F) expert tensor) plus
-one source tensor; source tensors are read with plain file reads, never all at once.
+Peak host memory: one layer slab of a stacked parameter (e.g. one layer's (E, D, F) experts) or one
+unstacked tensor (the embedding), plus its source tensor; sources are read with plain file reads.
 """
 from __future__ import annotations
 
@@ -57,10 +57,12 @@ def plan(cfg: ModelConfig, src: TensorSource) -> list[tuple[Entry, tuple[int, ..
 
 
 def iter_params(cfg: ModelConfig, src: TensorSource, dtype=None, progress: bool = True
-                ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (param path, numpy array) for each dinfer-jax param, built piece by piece.
+                ) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """Yield (param path, layer, array) slab by slab.
 
-    dtype None keeps each tensor's checkpoint dtype; otherwise every param is cast to `dtype`.
+    Params stacked over layers come one layer at a time (layer = 0..L_-1, array without the layer
+    axis); other params whole (layer None). dtype None keeps the checkpoint dtype, else casts.
+    Peak memory: one layer slab (e.g. (E, D, F) experts) or one unstacked tensor, plus its source.
     """
     steps = plan(cfg, src)
     total = sum(int(np.prod(s[0])) * s[1].itemsize for s in src.specs.values())
@@ -68,21 +70,38 @@ def iter_params(cfg: ModelConfig, src: TensorSource, dtype=None, progress: bool 
         for entry, shape in steps:
             pieces = list(entry.pieces(cfg))
             dt = np.dtype(dtype) if dtype is not None else src.specs[pieces[0][1]][1]
-            out = np.empty(shape, dt)
             piece_shape = shape[len(entry.stack):]
-            for idx, name in pieces:
-                arr = src.read(name)
-                out[idx] = entry.to_ours(arr, piece_shape).astype(dt, copy=False)
-                bar.update(arr.nbytes)
-                del arr
-            yield entry.path, out
-            del out
+            layered = bool(entry.stack) and entry.stack[0] == "l"
+            slab_shape = shape[1:] if layered else shape
+            per_slab = len(pieces) // shape[0] if layered else len(pieces)
+            for first in range(0, len(pieces), per_slab):
+                out = np.empty(slab_shape, dt)
+                for idx, name in pieces[first:first + per_slab]:
+                    arr = src.read(name)
+                    out[idx[1:] if layered else idx] = entry.to_ours(arr, piece_shape).astype(dt, copy=False)
+                    bar.update(arr.nbytes)
+                    del arr
+                yield entry.path, (pieces[first][0][0] if layered else None), out
+                del out
+
+
+def stack_slabs(items) -> dict:
+    """(path, layer, array) items -> {path: array}, stacking layer slabs on a new axis 0."""
+    out, layers = {}, {}
+    for path, layer, arr in items:
+        if layer is None:
+            out[path] = arr
+        else:
+            layers.setdefault(path, []).append(arr)
+    for path, slabs in layers.items():
+        out[path] = np.stack(slabs)
+    return out
 
 
 def load_hf_params(folder: str, dtype=None, progress: bool = False) -> tuple[ModelConfig, dict]:
     """Whole params (flat dict path -> numpy) of an HF folder, in memory."""
     cfg, src = open_checkpoint(folder)
     try:
-        return cfg, dict(iter_params(cfg, src, dtype, progress))
+        return cfg, stack_slabs(iter_params(cfg, src, dtype, progress))
     finally:
         src.close()

@@ -2,12 +2,14 @@
 
   config.json            the model's Hugging Face config (ModelConfig is derived from it)
   dinfer_jax.json        {"format": "dinfer-jax", "version": 1, "params": {path: {shape, dtype}}}
-  params/<path>/         one orbax-checkpoint per parameter ('/' in the path -> '.')
+  params/<path>/layer_NNNN/  one orbax checkpoint per layer slab of a layer-stacked parameter
+  params/<path>/all/     one orbax checkpoint for an unstacked parameter   ('/' in path -> '.')
   tokenizer files        copied from the source folder when present
 
-One orbax checkpoint per parameter lets conversion and export stream (host memory holds one
-stacked parameter at a time) and lets a loader restore each tensor directly into its target
-sharding.
+One orbax checkpoint per layer slab lets conversion and export stream (host memory holds one
+layer of one parameter, e.g. one layer's (E, D, F) experts, at a time; orbax copies an array
+while saving it, twice for arrays over 2 GiB) and lets a loader restore each slab directly
+into its target sharding.
 """
 from __future__ import annotations
 
@@ -36,10 +38,6 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
-def _tensor_dir(folder: str, path: str) -> str:
-    return os.path.join(os.path.abspath(folder), "params", path.replace("/", "."))
-
-
 def copy_side_files(src: str, dst: str):
     for name in TOKENIZER_FILES:
         p = os.path.join(src, name)
@@ -48,7 +46,11 @@ def copy_side_files(src: str, dst: str):
 
 
 class CheckpointWriter:
-    """Write params one tensor at a time: `add(path, array)` ..., then `finish(hf_config)`."""
+    """Write params slab by slab: `add(path, layer, array)` ..., then `finish(hf_config)`.
+
+    A param stacked over layers is written one layer at a time (layer = 0..L_-1, array without
+    the layer axis); an unstacked param once with layer None. Host memory: one slab + orbax's copy.
+    """
 
     def __init__(self, folder: str):
         if os.path.exists(folder) and os.listdir(folder):
@@ -56,10 +58,18 @@ class CheckpointWriter:
         os.makedirs(os.path.join(folder, "params"), exist_ok=True)
         self.folder, self.specs, self.ckptr = folder, {}, _checkpointer()
 
-    def add(self, path: str, arr: np.ndarray):
-        self.ckptr.save(_tensor_dir(self.folder, path), {"w": arr})
+    def add(self, path: str, layer: int | None, arr: np.ndarray):
+        self.ckptr.save(_slab_dir(self.folder, path, layer), {"w": arr})
         self.ckptr.wait_until_finished()
-        self.specs[path] = {"shape": list(arr.shape), "dtype": np.dtype(arr.dtype).name}
+        spec = self.specs.setdefault(path, {"shape": list(arr.shape), "dtype": np.dtype(arr.dtype).name,
+                                            "layers": None})
+        if layer is not None:
+            if spec["layers"] is None:
+                spec["layers"], spec["shape"] = 0, [0] + list(arr.shape)
+            if layer != spec["layers"]:
+                raise ValueError(f"{path}: layer {layer} written out of order (expected {spec['layers']})")
+            spec["layers"] += 1
+            spec["shape"][0] = spec["layers"]
 
     def finish(self, hf_config: dict, source_folder: str | None = None):
         with open(os.path.join(self.folder, "config.json"), "w") as f:
@@ -68,6 +78,27 @@ class CheckpointWriter:
             json.dump({"format": FORMAT, "version": VERSION, "params": self.specs}, f, indent=1)
         if source_folder:
             copy_side_files(source_folder, self.folder)
+
+
+def save_params(folder: str, params: dict, hf_config: dict, source_folder: str | None = None):
+    """Write an in-memory params tree (nested or flat) as a dinfer-jax checkpoint; params under
+    "layers/" are written one layer slab at a time."""
+    from dinfer_jax.models import flatten
+    flat = flatten(params) if any(isinstance(v, dict) for v in params.values()) else params
+    w = CheckpointWriter(folder)
+    for path, arr in flat.items():
+        arr = np.asarray(arr)
+        if path.startswith("layers/"):
+            for i in range(arr.shape[0]):
+                w.add(path, i, arr[i])
+        else:
+            w.add(path, None, arr)
+    w.finish(hf_config, source_folder)
+
+
+def _slab_dir(folder: str, path: str, layer: int | None) -> str:
+    return os.path.join(os.path.abspath(folder), "params", path.replace("/", "."),
+                        "all" if layer is None else f"layer_{layer:04d}")
 
 
 def read_manifest(folder: str) -> dict:
@@ -82,24 +113,39 @@ def read_config(folder: str) -> ModelConfig:
     return load_hf_config(folder)
 
 
-def read_param(folder: str, path: str, sharding=None, dtype=None):
-    """One parameter: numpy (sharding None) or a jax.Array placed with `sharding`."""
-    spec = read_manifest(folder)["params"][path] if sharding is not None else None
-    ckptr = _checkpointer()
-    d = _tensor_dir(folder, path)
+def read_slab(folder: str, path: str, layer: int | None, sharding=None):
+    """One stored slab: numpy, or a jax.Array restored directly into `sharding`."""
+    d = _slab_dir(folder, path, layer)
     if sharding is None:
-        arr = ckptr.restore(d)["w"]
-        return np.asarray(arr) if dtype is None else np.asarray(arr).astype(dtype)
-    target = jax.ShapeDtypeStruct(tuple(spec["shape"]), np.dtype(spec["dtype"]), sharding=sharding)
-    arr = ckptr.restore(d, {"w": target})["w"]
-    return arr if dtype is None else arr.astype(dtype)
+        return np.asarray(_checkpointer().restore(d)["w"])
+    meta = _checkpointer().metadata(d)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    m = tree["w"]
+    target = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding)
+    return _checkpointer().restore(d, {"w": target})["w"]
+
+
+def read_param(folder: str, path: str, sharding=None, dtype=None, manifest: dict | None = None):
+    """One whole parameter (layer slabs stacked): numpy when sharding is None, else a jax.Array
+    with that sharding (each slab restored directly into the matching sharding of its dims)."""
+    spec = (manifest or read_manifest(folder))["params"][path]
+    if spec["layers"] is None:
+        arr = read_slab(folder, path, None, sharding)
+    elif sharding is None:
+        arr = np.stack([read_slab(folder, path, i) for i in range(spec["layers"])])
+    else:
+        from jax.sharding import NamedSharding, PartitionSpec
+        slab_sh = (NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+                   if isinstance(sharding, NamedSharding) else sharding)
+        slabs = [read_slab(folder, path, i, slab_sh) for i in range(spec["layers"])]
+        arr = jax.jit(lambda *xs: jax.numpy.stack(xs), out_shardings=sharding)(*slabs)
+    if dtype is not None:
+        arr = arr.astype(dtype)
+    return arr
 
 
 def read_params(folder: str, dtype=None, shardings: dict | None = None) -> dict:
     """Flat {path: array} of every parameter; `shardings` {path: Sharding} places each directly."""
     man = read_manifest(folder)
-    out = {}
-    for path in man["params"]:
-        sh = (shardings or {}).get(path)
-        out[path] = read_param(folder, path, sharding=sh, dtype=dtype)
-    return out
+    return {p: read_param(folder, p, (shardings or {}).get(p), dtype, man) for p in man["params"]}

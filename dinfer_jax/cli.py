@@ -80,17 +80,14 @@ def cmd_demo(a):
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax.config import preset, to_hf_dict
     from dinfer_jax.model import Model
-    from dinfer_jax.models import flatten, init_params
+    from dinfer_jax.models import init_params
 
     work = a.workdir or tempfile.mkdtemp(prefix="dinfer-jax-demo-")
     cfg = preset("tiny")
     params = init_params(cfg, seed=0)
     print(f"tiny LLaDA-MoE (random weights): {cfg.num_params:,} params, {cfg.num_experts} experts "
           f"top-{cfg.num_experts_per_tok}, jax {jax.__version__} on {jax.default_backend()}")
-    w = ckpt.CheckpointWriter(os.path.join(work, "original"))
-    for p, v in flatten(params).items():
-        w.add(p, np.asarray(v))
-    w.finish(to_hf_dict(cfg))
+    ckpt.save_params(os.path.join(work, "original"), params, to_hf_dict(cfg))
     export(os.path.join(work, "original"), os.path.join(work, "hf"), progress=False)
     convert(os.path.join(work, "hf"), os.path.join(work, "converted"), progress=False)
     from dinfer_jax import load_model

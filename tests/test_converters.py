@@ -9,12 +9,13 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from converters import ConversionError, convert, export, load_hf_params
 from dinfer_jax import load_model
 from dinfer_jax.config import ConfigError
-from hf_reference import fuse_experts, write_hf_folder
+from hf_reference import fuse_experts, write_hf_folder  # noqa: E402
 
 
 def _same_params(a: dict, b: dict):

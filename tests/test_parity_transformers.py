@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
 from hf_reference import bidirectional_logits, causal_logits
 
 REL_TOL = 1e-4

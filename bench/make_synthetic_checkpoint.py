@@ -1,0 +1,73 @@
+"""Write a synthetic LLaDA-MoE Hugging Face checkpoint of any size (real names and shapes, bf16,
+sharded safetensors), streamed: memory stays at one tensor. Values are a cheap deterministic
+pattern (tensor k is filled with a value derived from k), not trained weights.
+
+  python bench/make_synthetic_checkpoint.py OUT_DIR --preset llada-moe-7b-a1b   # 14.7 GB
+  python bench/make_synthetic_checkpoint.py OUT_DIR --layers 4 --hidden 512 ...  # small
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+
+from converters.mappings import table
+from converters.safetensors_io import write_file
+from dinfer_jax.config import preset, to_hf_dict
+from dinfer_jax.models import abstract_params
+
+
+def pattern_value(name: str) -> float:
+    return float(sum(name.encode()) % 97) / 97.0 - 0.5
+
+
+def write_synthetic(out: str, cfg, shards: int = 4):
+    os.makedirs(out, exist_ok=True)
+    shapes = {p: tuple(s.shape) for p, s in abstract_params(cfg).items()}
+    specs = {}
+    for e in table(cfg):
+        piece = e.hf_shape(shapes[e.path][len(e.stack):])
+        for _, name in e.pieces(cfg):
+            specs[name] = (np.dtype(ml_dtypes.bfloat16), piece)
+    names = sorted(specs)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: specs[n] for n in names[i::shards]}
+        write_file(os.path.join(out, fname), lambda n: np.full(specs[n][1], pattern_value(n), specs[n][0]),
+                   metadata={"format": "pt"}, specs=part)
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(to_hf_dict(cfg), f, indent=1)
+    return sum(int(np.prod(s[1])) * 2 for s in specs.values())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--expert-ffn", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--shards", type=int, default=4)
+    a = p.parse_args()
+    if a.preset:
+        cfg = preset(a.preset)
+    else:
+        cfg = preset("tiny").replace(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.hidden // 64,
+                                     num_kv_heads=a.hidden // 64, head_dim=64, intermediate_size=a.expert_ffn,
+                                     num_experts=a.experts, vocab_size=a.vocab, mask_token_id=a.vocab - 1,
+                                     eos_token_id=a.vocab - 2, pad_token_id=a.vocab - 2)
+    n = write_synthetic(a.out, cfg, a.shards)
+    print(f"wrote {n / 2**30:.2f} GiB ({cfg.num_params:,} params) to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
