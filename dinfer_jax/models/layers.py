@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.cache import as_starts, window_write
 from dinfer_jax.config import ModelConfig
 from pallas_kernels.attention import attention_reference
 
@@ -61,15 +62,17 @@ def rotary_embedding(x_BSnH, positions_BS, theta: float, rotary_dim: int):
 class Attention(nn.Module):
     """Bidirectional multi-head attention with GQA, optional per-head q/k RMSNorm, and RoPE.
 
-    __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None) -> (out_BSD, (k_BLKH, v_BLKH)).
+    __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None)
+    -> (out_BSD, (k_BLKH, v_BLKH)).
     Without `kv`, keys/values are this call's own (L == S). With `kv` = full-length (k_BLKH, v_BLKH),
-    the S fresh keys/values are written at [window_start, window_start+S) and queries attend to all L.
+    row b's S fresh keys/values are written into a copy at [window_start_b, window_start_b + S)
+    (only where kv_write_BS, if given) and the queries attend to all L.
     """
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None):
+    def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None):
         c = self.cfg
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         wq = param(self, "q_proj", (D, N, H), ("embed", "heads", "head_dim"), self.dtype)
@@ -86,9 +89,9 @@ class Attention(nn.Module):
         k = rotary_embedding(k, positions_BS, c.rope_theta, c.rotary)
         if kv is not None:
             k_full, v_full = kv
-            start = (0, window_start, 0, 0)
-            k = jax.lax.dynamic_update_slice(k_full, k.astype(k_full.dtype), start)
-            v = jax.lax.dynamic_update_slice(v_full, v.astype(v_full.dtype), start)
+            starts = as_starts(window_start, x_BSD.shape[0])
+            k = window_write(k_full, k, starts, kv_write_BS)
+            v = window_write(v_full, v, starts, kv_write_BS)
         with jax.named_scope("attention_core"):
             o_BSNH = attention_reference(q, k, v, key_mask_BL)
         return jnp.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
 from dinfer_jax.models.moe import MoE
@@ -30,11 +31,11 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start):
+    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS):
         c = self.cfg
         a, new_kv = Attention(c, self.dtype, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
-            positions_BS, key_mask_BL, kv, window_start)
+            positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
         h = x_BSD + a
         m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
         mlp = MoE(c, self.moe_impl, self.dtype, name="mlp") if c.is_moe else MLP(c, self.dtype, name="mlp")
@@ -42,13 +43,16 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """__call__(tokens_BS | embeds_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None)
-    -> (logits_BSV fp32, (k_LBLKH, v_LBLKH)) where the leading L is the layer axis.
+    """__call__(tokens_BS | embeds_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None,
+    kv_write_BS=None, logits_window=None) -> (logits fp32, (k_LBLKH, v_LBLKH)), leading L = layers.
 
     Without `kv`, the S inputs are the whole sequence (L == S). With `kv` (per-layer full-length
-    caches stacked over layers), the S inputs are a window starting at `window_start`; their fresh
-    K/V are written into the cache copy before attention and the updated caches are returned.
-    key_mask_BL: True for keys that may be attended (False = left padding).
+    caches stacked over layers), the S inputs are per-row windows starting at `window_start`
+    (scalar or (B,)); their fresh K/V are written into a copy of the cache (where kv_write_BS, if
+    given) before attention, and those copies are returned.
+    key_mask_BL: True for keys that may be attended (False = padding).
+    logits_window=(starts_B, size): compute logits only for that per-row slice of the S outputs
+    -> (B, size, V); default all S -> (B, S, V).
     """
     cfg: ModelConfig
     moe_impl: str = "ragged"
@@ -61,7 +65,7 @@ class Transformer(nn.Module):
                                   nn.initializers.normal(0.02), ("vocab", "embed")))
         self.layers = nn.scan(
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.num_layers,
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast), length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.moe_impl, self.dtype)
         self.final_norm = RMSNorm(c.rms_norm_eps, "embed", self.dtype)
@@ -73,7 +77,7 @@ class Transformer(nn.Module):
         return self.embed(tokens_BS)
 
     def __call__(self, tokens_BS=None, embeds_BSD=None, positions_BS=None, key_mask_BL=None,
-                 kv=None, window_start=None):
+                 kv=None, window_start=None, kv_write_BS=None, logits_window=None):
         if (tokens_BS is None) == (embeds_BSD is None):
             raise ValueError("Transformer: pass exactly one of tokens_BS or embeds_BSD")
         x = self.embed(tokens_BS) if embeds_BSD is None else embeds_BSD.astype(self.dtype)
@@ -81,7 +85,9 @@ class Transformer(nn.Module):
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         with jax.named_scope("layers"):
-            x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start)
+            x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
+        if logits_window is not None:
+            x = window_slice(x, as_starts(logits_window[0], B), logits_window[1])
         x = self.final_norm(x)
         if self.cfg.tie_word_embeddings:
             logits = self.embed.attend(x)
