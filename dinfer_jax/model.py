@@ -38,6 +38,12 @@ class Model:
     def _forward(self):
         return jax.jit(lambda p, t, m: self.module.apply({"params": p}, t, key_mask_BL=m)[0])
 
+    @functools.cached_property
+    def generator(self):
+        """The compiled-program cache used by `dinfer_jax.generate`."""
+        from dinfer_jax.engine import Generator
+        return Generator(self)
+
     def check_ids(self, ids) -> np.ndarray:
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu":

@@ -1,0 +1,327 @@
+"""The whole generation as ONE jitted `lax.while_loop`: all blocks, all steps, cache refreshes,
+early stop. No host sync until the result.
+
+Canvas (per row b, length Lc, built by engine.py):
+  [ pads (pad_b) | prompt (P_b) | gen_length masks | tail pads ]   prompts end at `gen_start`
+Pads are never attended (key mask) and never decoded. Positions are per row (index - pad_b), so a
+prompt decodes identically alone or inside any batch.
+
+Every row advances through its own blocks (rows never wait for each other). Row b's block j is
+[s_b + j*Bk, s_b + (j+1)*Bk) with s_b = gen_start, or with start_block_align the block grid
+aligned to multiples of Bk in the row's own positions (the first block may start inside the prompt).
+
+One iteration = one forward for every active row:
+- full forward (whole canvas) for rows that need one: cache "none" (always), block entry, every
+  `refresh_every` steps, vicinity warmup. Its K/V become that row's cache; its logits decode.
+- window forward for the other rows: dual = the block; vicinity = block +/- prefix/after look;
+  prefix = from the block start to the end. Keys outside the window come from the cache; the
+  window's fresh K/V are used for that forward only (only full refreshes persist, as in dInfer).
+Both run under lax.cond only when some row needs them; per-row results are selected.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.cache import empty_cache, window_slice, window_write
+from dinfer_jax.decoding import strategies as st
+
+CACHES = ("none", "prefix", "dual", "vicinity")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Everything static about one compiled generation program (part of the jit cache key)."""
+    gen_length: int
+    block_length: int
+    strategy: str = "threshold"
+    steps_per_block: int = 0  # fixed/random strategies only
+    cache: str = "none"
+    refresh_every: int = 0  # extra full refresh every N steps inside a block (0: only on block entry)
+    prefix_look: int = 16
+    after_look: int = 16
+    warmup_steps: int = 4
+    smoothing: bool = False  # iteration smoothing (soft mask embeddings + threshold ramp)
+    early_stop: bool = True
+    start_block_align: bool = False
+    mask_id: int = 0
+    eos_id: int = 0
+
+    def __post_init__(self):
+        problems = []
+        if self.strategy not in st.STRATEGIES:
+            problems.append(f"strategy={self.strategy!r} is not one of {st.STRATEGIES}")
+        if self.cache not in CACHES:
+            problems.append(f"cache={self.cache!r} is not one of {CACHES}")
+        if self.gen_length <= 0 or self.block_length <= 0:
+            problems.append("gen_length and block_length must be > 0")
+        elif self.gen_length % self.block_length:
+            problems.append(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
+        if self.strategy in st.FIXED and self.steps_per_block <= 0:
+            problems.append(f"strategy {self.strategy!r} needs steps_per_block > 0")
+        if min(self.prefix_look, self.after_look, self.warmup_steps, self.refresh_every) < 0:
+            problems.append("prefix_look, after_look, warmup_steps and refresh_every must be >= 0")
+        if problems:
+            raise ValueError("invalid decoding settings: " + "; ".join(problems))
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per row (one more when aligned blocks may start inside the prompt)."""
+        return self.gen_length // self.block_length + (1 if self.start_block_align else 0)
+
+    @property
+    def head_room(self) -> int:
+        """Pads needed before the earliest block start (vicinity windows reach back prefix_look)."""
+        return self.prefix_look if self.cache == "vicinity" else 0
+
+    @property
+    def tail_room(self) -> int:
+        """Pads needed after the generation region (aligned last block, vicinity after_look)."""
+        return (self.block_length if self.start_block_align else 0) + (
+            self.after_look if self.cache == "vicinity" else 0)
+
+    @property
+    def max_iterations(self) -> int:
+        per_block = self.steps_per_block if self.strategy in st.FIXED else self.block_length
+        return self.num_blocks * per_block
+
+
+KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
+         "credit_beta", "seed")
+
+
+def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
+    """Model forward on tokens, or on smoothed embeddings when iteration smoothing is on."""
+    if not spec.smoothing:
+        return module.apply({"params": params}, tokens_BS=x_BL, **kw)
+    emb = module.apply({"params": params}, x_BL, method="embed_tokens")
+    w = jnp.minimum(0.15 + 0.02 * it_B.astype(jnp.float32), knobs["cont_weight"])[:, None, None]
+    emb = jnp.where((x_BL == spec.mask_id)[..., None], emb + w.astype(emb.dtype) * soft_BLD.astype(emb.dtype), emb)
+    return module.apply({"params": params}, embeds_BSD=emb, **kw)
+
+
+def _soft_embeddings(module, params, logits_BSV):
+    """Expected embedding under softmax(l): (B, S, V) @ (V, D)."""
+    table = params["embed"]["embedding"]
+    p = jax.nn.softmax(logits_BSV, axis=-1).astype(table.dtype)
+    return jnp.einsum("bsv,vd->bsd", p, table)
+
+
+def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
+                  active_B, knobs: dict[str, Any]):
+    """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
+
+    canvas_BL: int32 tokens (layout above); pad_B: left pads per row; prompt_len_B: real prompt
+    tokens per row; gen_start: static index where every row's generation region begins;
+    active_B: False for bucket-filler rows; knobs: per-row (B,) arrays named in KNOBS.
+    """
+    cfg = module.cfg
+    B, Lc = canvas_BL.shape
+    Bk, M = spec.block_length, spec.mask_id
+    gen_end = gen_start + spec.gen_length
+    idx_L = jnp.arange(Lc, dtype=jnp.int32)
+    positions_BL = jnp.maximum(idx_L[None, :] - pad_B[:, None], 0)
+    key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < gen_end)
+    if spec.start_block_align:
+        first_B = pad_B + (prompt_len_B // Bk) * Bk
+    else:
+        first_B = jnp.full((B,), gen_start, jnp.int32)
+    n_blocks_B = (gen_end - first_B + Bk - 1) // Bk
+    base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
+
+    def block_start(blk_B):
+        return first_B + blk_B * Bk
+
+    # Window geometry for cached forwards (static sizes; per-row or per-branch starts).
+    if spec.cache == "dual":
+        win_size, win_offset = Bk, 0
+    elif spec.cache == "vicinity":
+        win_size, win_offset = spec.prefix_look + Bk + spec.after_look, spec.prefix_look
+
+    state = dict(
+        x=canvas_BL, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
+        it=jnp.zeros((B,), jnp.int32), done=~active_B, n_entry=jnp.zeros((B,), jnp.int32),
+        nfe_full=jnp.zeros((), jnp.int32), nfe_window=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
+        row_nfe=jnp.zeros((B,), jnp.int32),
+        steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
+    )
+    if spec.cache != "none":
+        state["kv"] = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
+    if spec.strategy == "credit":
+        state["credit"] = jnp.zeros((B, Bk, cfg.vocab_size), jnp.float32)
+    if spec.smoothing:
+        state["soft"] = jnp.zeros((B, Lc, cfg.hidden_size), module.dtype)
+
+    def cond(s):
+        return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
+
+    def body(s):
+        active = ~s["done"]
+        start_B = block_start(s["blk"])
+        x = s["x"]
+        soft = s.get("soft")
+        if spec.cache == "none":
+            need_full = active
+        else:
+            need_full = active & (s["stp"] == 0)
+            if spec.refresh_every:
+                need_full |= active & (s["stp"] % spec.refresh_every == 0)
+            if spec.cache == "vicinity" and spec.warmup_steps:
+                need_full |= active & (s["it"] < spec.warmup_steps)
+        need_win = active & ~need_full
+        V = cfg.vocab_size
+        fwd = lambda **kw: _forward(module, params, spec, kw.pop("tokens"), kw.pop("soft"), s["it"],  # noqa: E731
+                                    knobs, **kw)
+
+        # ---- full forward (whole canvas)
+        def full(_):
+            with jax.named_scope("forward_full"):
+                lw = None if spec.smoothing else (start_B, Bk)
+                logits, kv = fwd(tokens=x, soft=soft, positions_BS=positions_BL, key_mask_BL=key_mask_BL,
+                                 logits_window=lw)
+            if spec.smoothing:
+                soft_new = _soft_embeddings(module, params, logits)
+                logits = window_slice(logits, start_B, Bk)
+            else:
+                soft_new = None
+            return logits, kv, soft_new
+
+        def no_full(_):
+            kv_shape = (cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim)
+            soft_new = None if not spec.smoothing else jnp.zeros_like(soft)
+            return (jnp.zeros((B, Bk, V), jnp.float32),
+                    (jnp.zeros(kv_shape, module.dtype), jnp.zeros(kv_shape, module.dtype)), soft_new)
+
+        logits_full, kv_full, soft_full = jax.lax.cond(jnp.any(need_full), full, no_full, None)
+        logits = logits_full
+        new_state = {}
+        if spec.cache != "none":
+            sel = need_full[None, :, None, None, None]
+            kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv_full, s["kv"]))
+            new_state["kv"] = kv
+            logits_win, soft_win, win_start = _window_forward(
+                spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s["blk"], need_win, gen_start,
+                Lc, B, V, module, params)
+            logits = jnp.where(need_full[:, None, None], logits_full, logits_win)
+        if spec.smoothing:
+            soft = jnp.where(need_full[:, None, None], soft_full, soft)
+            if spec.cache != "none":
+                soft = jnp.where(need_win[:, None, None],
+                                 window_write(soft, soft_win, win_start), soft)
+            new_state["soft"] = soft
+
+        # ---- strategy on each row's block
+        with jax.named_scope("strategy"):
+            x_blk = window_slice(x, start_B, Bk)
+            masked = x_blk == M
+            n_entry = jnp.where(s["stp"] == 0, jnp.sum(masked, axis=-1), s["n_entry"])
+            quota = (st.num_transfer_tokens(n_entry, spec.steps_per_block, s["stp"])
+                     if spec.strategy in st.FIXED else n_entry)
+            tau = knobs["threshold"]
+            if spec.smoothing:
+                tau = jnp.maximum(1.0 - 0.02 * s["it"].astype(jnp.float32), tau)
+            keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+            cand, transfer, credit = st.decide(spec.strategy, logits, x_blk, M, knobs, keys_B=keys,
+                                               step_B=s["stp"], quota_B=quota, tau_B=tau,
+                                               credit_BSV=s.get("credit"))
+            transfer &= active[:, None]
+            x_blk = jnp.where(transfer, cand, x_blk)
+            x = window_write(x, x_blk, start_B)
+            if credit is not None:
+                new_state["credit"] = jnp.where(active[:, None, None], credit, s["credit"])
+
+        # ---- block bookkeeping, early stop
+        if spec.strategy in st.FIXED:
+            finished = active & (s["stp"] + 1 >= spec.steps_per_block)
+        else:
+            finished = active & ~jnp.any(x_blk == M, axis=-1)
+        block_end = start_B + Bk
+        has_eos = jnp.any(x_blk == spec.eos_id, axis=-1) if spec.early_stop else jnp.zeros((B,), bool)
+        stop_now = finished & has_eos
+        fill = stop_now[:, None] & (idx_L[None, :] >= block_end[:, None]) & (idx_L[None, :] < gen_end)
+        x = jnp.where(fill, spec.eos_id, x)
+        last = s["blk"] + 1 >= n_blocks_B
+        done = s["done"] | stop_now | (finished & last)
+        spb = s["steps_per_block"]
+        spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s["blk"][:, None]),
+                        (s["stp"] + 1)[:, None], spb)
+        new_state.update(
+            x=x, done=done, n_entry=n_entry, steps_per_block=spb,
+            blk=jnp.where(finished & ~done, s["blk"] + 1, s["blk"]),
+            stp=jnp.where(finished, 0, jnp.where(active, s["stp"] + 1, s["stp"])),
+            it=s["it"] + active.astype(jnp.int32),
+            row_nfe=s["row_nfe"] + active.astype(jnp.int32),
+            nfe_full=s["nfe_full"] + jnp.any(need_full).astype(jnp.int32),
+            nfe_window=s["nfe_window"] + jnp.any(need_win).astype(jnp.int32),
+            iters=s["iters"] + 1,
+        )
+        return {**s, **new_state}
+
+    with jax.named_scope("denoise_loop"):
+        final = jax.lax.while_loop(cond, body, state)
+    stats = {k: final[k] for k in ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "done")}
+    return final["x"], stats
+
+
+def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, blk_B, need_win, gen_start,
+                    Lc, B, V, module, params):
+    """Cached forward over each row's window -> (block logits (B, Bk, V), soft window | None, window starts)."""
+    Bk = spec.block_length
+
+    def run(win_start, win_size, logits_offset, write):
+        tokens = window_slice(x, win_start, win_size)
+        soft_w = None if soft is None else window_slice(soft, win_start, win_size)
+        lw = None if spec.smoothing else (logits_offset, Bk)
+        with jax.named_scope("forward_window"):
+            logits, _ = fwd(tokens=tokens, soft=soft_w, positions_BS=window_slice(positions_BL, win_start, win_size),
+                            key_mask_BL=key_mask_BL, kv=kv, window_start=win_start, kv_write_BS=write,
+                            logits_window=lw)
+        soft_new = None
+        if spec.smoothing:
+            soft_new = _soft_embeddings(module, params, logits)
+            logits = window_slice(logits, logits_offset, Bk)
+        return logits, soft_new
+
+    zero = (jnp.zeros((B, Bk, V), jnp.float32),)
+
+    if spec.cache in ("dual", "vicinity"):
+        off = 0 if spec.cache == "dual" else spec.prefix_look
+        size = Bk if spec.cache == "dual" else spec.prefix_look + Bk + spec.after_look
+        win_start = start_B - off
+
+        def go(_):
+            return run(win_start, size, jnp.full((B,), off, jnp.int32), None)
+
+        def skip(_):
+            return zero + ((None if soft is None else jnp.zeros((B, size, soft.shape[-1]), soft.dtype)),)
+
+        logits, soft_new = jax.lax.cond(jnp.any(need_win), go, skip, None)
+        return logits, soft_new, win_start
+
+    # prefix: one branch per possible (static) window [w_j, Lc), j = earliest block among window rows.
+    # Row b writes fresh K/V only from its own block start, so rows further ahead are exact too.
+    lead = Bk if spec.start_block_align else 0
+    starts = [max(0, gen_start - lead + j * Bk) for j in range(spec.num_blocks)]
+    j_min = jnp.min(jnp.where(need_win, blk_B, spec.num_blocks - 1))
+    if spec.smoothing:
+        raise ValueError("iteration smoothing with the prefix cache is not supported; use dual or vicinity")
+
+    def branch(j):
+        w = starts[j]
+
+        def f(_):
+            ws = jnp.full((B,), w, jnp.int32)
+            write = jnp.arange(w, Lc)[None, :] >= start_B[:, None]
+            logits, _ = run(ws, Lc - w, start_B - w, write)
+            return logits
+        return f
+
+    def skip_prefix(_):
+        return zero[0]
+
+    branches = [branch(j) for j in range(spec.num_blocks)]
+    logits = jax.lax.cond(jnp.any(need_win), lambda _: jax.lax.switch(j_min, branches, None), skip_prefix, None)
+    return logits, None, None

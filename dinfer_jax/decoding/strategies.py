@@ -1,0 +1,148 @@
+"""Decoding strategies: pure functions from one block's logits to the tokens to unmask.
+
+All functions work on a batch of rows, each at its own block: logits_BSV (fp32) for the S block
+positions, x_BS the block's current tokens. A position is *masked* when x == mask_id. Every
+strategy returns (cand_BS, transfer_BS): the candidate tokens and which masked positions take them.
+Per-row knobs are (B,) arrays, so one compiled program serves requests with different settings.
+
+Definitions (shared/reference/decoding.md):
+- candidate x^ = argmax(l + T*g) (Gumbel-max, g standard Gumbel; exactly argmax l when T == 0);
+  confidence c = softmax(l)[x^] with the un-noised logits, fp32.
+- fixed (LLaDA low_confidence / random): unmask the top-k_i confidences (k_i from `quota`).
+- threshold (dInfer): eligible = masked & x^ != mask; unmask eligible c >= min(max c - 1e-5, tau).
+- factor (Fast-dLLM): sort eligible c descending; the n-th (1-based) is accepted while every
+  m = 2..n has c_(m) >= 1 - f/(m+1); the first always.
+- credit: C <- beta*C (not on a block's first step); C[i, argmax p_i] += max(p_i)^gamma on masked i;
+  then threshold on l + alpha*log(1+C).
+- hierarchy: maximal runs of masked positions; each run's most confident eligible position if
+  c > low; OR every eligible c > tau; OR the row's most confident eligible position.
+Progress guarantee (ours): if every masked position's argmax is the mask token (nothing eligible),
+threshold-family strategies unmask the most confident masked position with its best non-mask token.
+Ties are broken towards the lower position (stable sort).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+FIXED = ("fixed", "random")
+THRESHOLD_FAMILY = ("threshold", "factor", "credit", "hierarchy")
+STRATEGIES = FIXED + THRESHOLD_FAMILY
+
+
+def num_transfer_tokens(n_masks_B, steps: int, step_B):
+    """LLaDA get_num_transfer_tokens: step i of `steps` unmasks floor(n/steps) + [i < n mod steps]."""
+    return n_masks_B // steps + (step_B < n_masks_B % steps).astype(n_masks_B.dtype)
+
+
+def gumbel_candidates(logits_BSV, temperature_B, keys_B):
+    """x^ = argmax(l + T*g) per row; rows with T == 0 take argmax l (no noise drawn if all are 0)."""
+    def noisy(_):
+        g = jax.vmap(lambda k: jax.random.gumbel(k, logits_BSV.shape[1:], jnp.float32))(keys_B)
+        return logits_BSV + temperature_B[:, None, None] * g
+    scores = jax.lax.cond(jnp.any(temperature_B > 0), noisy, lambda _: logits_BSV, None)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def confidence(logits_BSV, cand_BS):
+    """softmax(l)[cand] in fp32 (computed as exp(l[cand] - logsumexp l))."""
+    l = logits_BSV.astype(jnp.float32)
+    picked = jnp.take_along_axis(l, cand_BS[..., None], axis=-1)[..., 0]
+    return jnp.exp(picked - jax.nn.logsumexp(l, axis=-1))
+
+
+def rank_desc(score_BS):
+    """0-based rank of each position by descending score (ties: lower position first)."""
+    order = jnp.argsort(-score_BS, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
+
+
+def fixed_transfer(conf_BS, masked_BS, quota_B):
+    """Top-`quota` masked positions by confidence."""
+    c = jnp.where(masked_BS, conf_BS, NEG_INF)
+    return masked_BS & (rank_desc(c) < quota_B[:, None])
+
+
+def threshold_transfer(conf_BS, eligible_BS, tau_B):
+    c = jnp.where(eligible_BS, conf_BS, NEG_INF)
+    tau_eff = jnp.maximum(jnp.minimum(jnp.max(c, axis=-1) - 1e-5, tau_B), -1000.0)
+    return eligible_BS & (c >= tau_eff[:, None])
+
+
+def factor_transfer(conf_BS, eligible_BS, factor_B):
+    c = jnp.where(eligible_BS, conf_BS, NEG_INF)
+    S = c.shape[-1]
+    srt = -jnp.sort(-c, axis=-1)  # descending
+    n = jnp.arange(1, S + 1, dtype=jnp.float32)  # 1-based rank
+    ok = (srt >= 1.0 - factor_B[:, None] / (n + 1.0)) | (n == 1)
+    ok &= srt > NEG_INF
+    n_accept = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
+    return eligible_BS & (rank_desc(c) < n_accept[:, None])
+
+
+def hierarchy_transfer(conf_BS, masked_BS, eligible_BS, tau_B, low_B):
+    c = jnp.where(eligible_BS, conf_BS, NEG_INF)
+    S = c.shape[-1]
+    prev = jnp.pad(masked_BS[:, :-1], ((0, 0), (1, 0)))
+    seg = jnp.cumsum(masked_BS & ~prev, axis=-1) * masked_BS  # run ids 1..; 0 = not masked
+    pos = jnp.arange(S)
+
+    def row(c_S, seg_S):
+        best = jax.ops.segment_max(c_S, seg_S, num_segments=S + 1)
+        is_best = c_S == best[seg_S]
+        first = jax.ops.segment_min(jnp.where(is_best, pos, S), seg_S, num_segments=S + 1)
+        return pos == first[seg_S]
+
+    winners = jax.vmap(row)(c, seg) & masked_BS & eligible_BS & (c > low_B[:, None])
+    top = (pos[None, :] == jnp.argmax(c, axis=-1)[:, None]) & jnp.any(eligible_BS, axis=-1, keepdims=True)
+    return eligible_BS & (winners | (c > tau_B[:, None]) | top)
+
+
+def credit_update(credit_BSV, logits_BSV, masked_BS, first_B, gamma_B, beta_B):
+    """EMA evidence: decay (except on a block's first call), then add max(p)^gamma at argmax p."""
+    credit = jnp.where(first_B[:, None, None], 0.0, credit_BSV * beta_B[:, None, None])
+    p = jax.nn.softmax(logits_BSV.astype(jnp.float32), axis=-1)
+    top = jnp.argmax(p, axis=-1)
+    bonus = jnp.where(masked_BS, jnp.max(p, axis=-1) ** gamma_B[:, None], 0.0)
+    return credit + jax.nn.one_hot(top, p.shape[-1], dtype=jnp.float32) * bonus[..., None]
+
+
+def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, step_B, quota_B, tau_B,
+           credit_BSV=None):
+    """One strategy step on one block per row -> (cand_BS, transfer_BS, new_credit_BSV | None).
+
+    knobs: per-row arrays temperature, low_threshold, factor, credit_alpha/gamma/beta.
+    tau_B: the threshold in force (the iteration-smoothing schedule may raise it).
+    """
+    masked = x_BS == mask_id
+    logits = logits_BSV.astype(jnp.float32)
+    new_credit = None
+    if kind == "credit":
+        new_credit = credit_update(credit_BSV, logits, masked, step_B == 0, knobs["credit_gamma"],
+                                   knobs["credit_beta"])
+        logits = logits + knobs["credit_alpha"][:, None, None] * jnp.log1p(new_credit)
+    cand = gumbel_candidates(logits, knobs["temperature"], keys_B)
+    conf = confidence(logits, cand)
+    if kind in FIXED:
+        if kind == "random":
+            conf = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), x_BS.shape[1:]))(keys_B)
+        return cand, fixed_transfer(conf, masked, quota_B), new_credit
+    eligible = masked & (cand != mask_id)
+    if kind in ("threshold", "credit"):
+        transfer = threshold_transfer(conf, eligible, tau_B)
+    elif kind == "factor":
+        transfer = factor_transfer(conf, eligible, knobs["factor"])
+    elif kind == "hierarchy":
+        transfer = hierarchy_transfer(conf, masked, eligible, tau_B, knobs["low_threshold"])
+    else:
+        raise ValueError(f"unknown strategy {kind!r}; choose one of {STRATEGIES}")
+    # Progress guarantee when every masked argmax is the mask token.
+    stuck = ~jnp.any(eligible, axis=-1) & jnp.any(masked, axis=-1)
+    no_mask = logits.at[..., mask_id].set(NEG_INF)
+    alt = jnp.argmax(no_mask, axis=-1).astype(jnp.int32)
+    alt_conf = jnp.where(masked, confidence(logits, alt), NEG_INF)
+    alt_pick = jnp.arange(x_BS.shape[1])[None, :] == jnp.argmax(alt_conf, axis=-1)[:, None]
+    transfer = jnp.where(stuck[:, None], alt_pick & masked, transfer)
+    cand = jnp.where(stuck[:, None], alt, cand)
+    return cand, transfer, new_credit

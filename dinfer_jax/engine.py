@@ -1,0 +1,182 @@
+"""generate(model, prompts, SamplingParams) -> GenerationResult: canvas building, shape bucketing,
+and a cache of compiled generation programs (one per static spec x bucket).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.decoding.loop import CACHES, KNOBS, DecodeSpec, generate_loop
+from dinfer_jax.decoding.strategies import FIXED, STRATEGIES
+
+PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings. Static ones select a compiled program; the rest are traced per row.
+
+    Defaults follow dInfer for LLaDA-MoE: threshold 0.9, block 64, dual cache, temperature 0.
+    steps: total denoising steps for the fixed/random strategies (LLaDA `steps`), split evenly
+    over blocks (steps % num_blocks == 0).
+    """
+    gen_length: int = 128
+    block_length: int = 64
+    strategy: str = "threshold"  # fixed | random | threshold | factor | credit | hierarchy
+    steps: int | None = None
+    cache: str = "dual"  # none | prefix | dual | vicinity
+    refresh_every: int = 0
+    prefix_look: int = 16
+    after_look: int = 16
+    warmup_steps: int = 4
+    smoothing: bool = False
+    early_stop: bool = True
+    start_block_align: bool = False
+    threshold: float = 0.9
+    low_threshold: float = 0.4
+    factor: float = 1.0
+    temperature: float = 0.0
+    seed: int = 0
+    cont_weight: float = 0.3
+    credit_alpha: float = 0.7
+    credit_gamma: float = 0.2
+    credit_beta: float = 0.8
+
+    def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if self.cache not in CACHES:
+            raise ValueError(f"cache={self.cache!r} is not one of {CACHES}")
+        if self.gen_length <= 0 or self.block_length <= 0 or self.gen_length % self.block_length:
+            raise ValueError(f"gen_length={self.gen_length} must be a positive multiple of "
+                             f"block_length={self.block_length}")
+        steps_per_block = 0
+        if self.strategy in FIXED:
+            nb = self.gen_length // self.block_length
+            steps = self.gen_length if self.steps is None else self.steps
+            if steps <= 0 or steps % nb:
+                raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({nb})")
+            steps_per_block = steps // nb
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        return DecodeSpec(
+            gen_length=self.gen_length, block_length=self.block_length, strategy=self.strategy,
+            steps_per_block=steps_per_block, cache=self.cache, refresh_every=self.refresh_every,
+            prefix_look=self.prefix_look, after_look=self.after_look, warmup_steps=self.warmup_steps,
+            smoothing=self.smoothing, early_stop=self.early_stop, start_block_align=self.start_block_align,
+            mask_id=mask_id, eos_id=eos_id)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Per prompt: generated ids (gen region, EOS padding removed), the raw gen region, counters.
+
+    nfe: forwards this prompt took part in; tpf: generated non-EOS tokens / nfe.
+    batch_nfe_full / batch_nfe_window: forwards the batch program actually ran, by kind.
+    """
+    token_ids: list[list[int]]
+    raw_ids: np.ndarray
+    nfe: list[int]
+    tpf: list[float]
+    steps_per_block: np.ndarray
+    batch_nfe_full: int
+    batch_nfe_window: int
+    seconds: float
+
+
+def _bucket_batch(b: int) -> int:
+    return 1 << max(0, (b - 1).bit_length())
+
+
+def _bucket_len(n: int) -> int:
+    return max(PROMPT_BUCKET, -(-n // PROMPT_BUCKET) * PROMPT_BUCKET)
+
+
+class Generator:
+    """Compiled-program cache for one model. `compiles` counts traces (tests assert no recompiles)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.compiles = 0
+        self._programs = {}
+
+    def _program(self, spec: DecodeSpec, gen_start: int):
+        key = (spec, gen_start)
+        if key not in self._programs:
+            module = self.model.module
+
+            def run(params, canvas, pad, plen, active, knobs):
+                self.compiles += 1  # runs at trace time only
+                return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs)
+            self._programs[key] = jax.jit(run, donate_argnums=(1,))
+        return self._programs[key]
+
+    def lower(self, prompts, params: SamplingParams):
+        """The lowered program for these prompts (for inspection: HLO, while ops, callbacks)."""
+        prog, args, *_ = self._prepare(prompts, params)
+        return prog.lower(*args)
+
+    def _prepare(self, prompts, params: SamplingParams):
+        cfg = self.model.config
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1 or (
+                len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        rows = [self.model.check_ids(np.asarray(p)).reshape(-1) for p in prompts]
+        if not rows:
+            raise ValueError("no prompts given")
+        for r in rows:
+            if (r == cfg.mask_token_id).any():
+                raise ValueError(f"prompt contains the mask token id {cfg.mask_token_id}")
+        spec = params.spec(cfg.mask_token_id, cfg.eos_token_id)
+        B = _bucket_batch(len(rows))
+        gen_start = _bucket_len(max(len(r) for r in rows) + spec.head_room)
+        Lc = gen_start + spec.gen_length + spec.tail_room
+        if max(len(r) for r in rows) + spec.gen_length > cfg.max_position_embeddings:
+            raise ValueError(f"prompt + gen_length = {max(len(r) for r in rows) + spec.gen_length} exceeds "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        canvas = np.full((B, Lc), pad_id, np.int32)
+        pad = np.full((B,), gen_start, np.int32)
+        plen = np.zeros((B,), np.int32)
+        for b, r in enumerate(rows):
+            canvas[b, gen_start - len(r):gen_start] = r
+            pad[b], plen[b] = gen_start - len(r), len(r)
+        canvas[:len(rows), gen_start:gen_start + spec.gen_length] = cfg.mask_token_id
+        active = np.arange(B) < len(rows)
+        knobs = {k: np.full((B,), getattr(params, k), np.uint32 if k == "seed" else np.float32) for k in KNOBS}
+        prog = self._program(spec, gen_start)
+        args = (self.model.params, jnp.asarray(canvas), jnp.asarray(pad), jnp.asarray(plen), jnp.asarray(active),
+                {k: jnp.asarray(v) for k, v in knobs.items()})
+        return prog, args, rows, spec, gen_start
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> GenerationResult:
+        params = params or SamplingParams()
+        prog, args, rows, spec, gen_start = self._prepare(prompts, params)
+        t = time.perf_counter()
+        canvas, stats = prog(*args)
+        canvas = np.asarray(canvas)
+        secs = time.perf_counter() - t
+        stats = jax.tree_util.tree_map(np.asarray, stats)
+        n = len(rows)
+        raw = canvas[:n, gen_start:gen_start + spec.gen_length]
+        cfg = self.model.config
+        stops = {cfg.eos_token_id} | ({cfg.eot_token_id} if cfg.eot_token_id is not None else set())
+        out, tpf = [], []
+        for b in range(n):
+            toks = raw[b].tolist()
+            cut = next((i for i, t_ in enumerate(toks) if t_ in stops), len(toks))
+            out.append(toks[:cut])
+            real = int(np.sum((raw[b] != cfg.eos_token_id) & (raw[b] != cfg.mask_token_id)))
+            tpf.append(real / max(1, int(stats["row_nfe"][b])))
+        return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
+                                stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs)
+
+
+def generate(model, prompts: Sequence, params: SamplingParams | None = None) -> GenerationResult:
+    """One-shot helper; keep a `Generator` (or use `model.generator`) to reuse compiled programs."""
+    return model.generator.generate(prompts, params)
