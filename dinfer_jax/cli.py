@@ -4,6 +4,8 @@
   dinfer-jax export DIR HF_DIR
   dinfer-jax info MODEL_DIR
   dinfer-jax logits --model DIR --prompt-ids 1,2,3 [--json]
+  dinfer-jax generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
+      [--strategy S] [--threshold T] [--steps N] [--cache C] [--temperature T] [--seed S] [--json]
   dinfer-jax demo [--workdir DIR]
 
 Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2.
@@ -71,6 +73,51 @@ def cmd_logits(a):
         print(f"logits shape {lg.shape}; argmax per position: {top}")
 
 
+def _positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def cmd_generate(a):
+    import numpy as np
+    from dinfer_jax import SamplingParams, generate, load_model
+    if a.model is None:
+        raise ValueError("--model is required (the built-in demo model does not exist yet)")
+    model = load_model(a.model)
+    tok = None
+    tok_path = os.path.join(a.model, "tokenizer.json")
+    if a.prompt is not None:
+        if not os.path.isfile(tok_path):
+            raise ValueError(f"--prompt needs {tok_path}; pass --prompt-ids instead")
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(tok_path)
+        ids = tok.encode(a.prompt, add_special_tokens=False).ids
+    else:
+        ids = a.prompt_ids
+        if os.path.isfile(tok_path):
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(tok_path)
+    sp = SamplingParams(gen_length=a.gen_length, block_length=a.block_length, strategy=a.strategy,
+                        threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
+                        cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
+                        early_stop=not a.no_early_stop)
+    r = generate(model, [np.asarray(ids)], sp)
+    text = tok.decode(r.token_ids[0]) if tok is not None else None
+    out = {"token_ids": r.token_ids[0], "text": text, "nfe": r.nfe[0], "tpf": round(r.tpf[0], 3),
+           "seconds": round(r.seconds, 4)}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print(text if text is not None else " ".join(map(str, r.token_ids[0])))
+        print(f"[{len(r.token_ids[0])} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, "
+              f"{r.seconds:.2f}s incl. compile]", file=sys.stderr)
+
+
 def cmd_demo(a):
     """Tiny random LLaDA-MoE: save -> export as HF safetensors -> convert back -> forward; the logits
     of the reloaded model must equal the original's bit for bit."""
@@ -125,6 +172,26 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--prompt-ids", type=_parse_ids, required=True)
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(fn=cmd_logits)
+    g = sub.add_parser("generate", help="diffusion decoding of one prompt (the whole schedule in one jitted loop)")
+    g.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
+    src.add_argument("--prompt-ids", type=_parse_ids, default=None)
+    g.add_argument("--gen-length", type=_positive, default=128)
+    g.add_argument("--block-length", type=_positive, default=64)
+    g.add_argument("--strategy", choices=("fixed", "random", "threshold", "factor", "credit", "hierarchy"),
+                   default="threshold")
+    g.add_argument("--threshold", type=float, default=0.9)
+    g.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
+    g.add_argument("--factor", type=float, default=1.0, help="factor strategy's f")
+    g.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length)")
+    g.add_argument("--cache", choices=("none", "prefix", "dual", "vicinity"), default="dual")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
+    g.add_argument("--no-early-stop", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, nfe, tpf, seconds")
+    g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="tiny random LLaDA-MoE: export, convert back, forward, compare")
     d.add_argument("--workdir", default=None)
     d.set_defaults(fn=cmd_demo)

@@ -158,8 +158,9 @@ class Generator:
         params = params or SamplingParams()
         prog, args, rows, spec, gen_start = self._prepare(prompts, params)
         t = time.perf_counter()
-        canvas, stats = prog(*args)
-        canvas = np.asarray(canvas)
+        with jax.profiler.TraceAnnotation("dinfer_generate"):
+            canvas, stats = prog(*args)
+            canvas = np.asarray(canvas)
         secs = time.perf_counter() - t
         stats = jax.tree_util.tree_map(np.asarray, stats)
         n = len(rows)

@@ -24,7 +24,8 @@ class Model:
     """A config plus an explicit params pytree. `logits(ids)` runs the full bidirectional forward."""
     config: ModelConfig
     params: dict
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
+    attention_impl: str = "auto"
 
     @property
     def dtype(self):
@@ -32,7 +33,7 @@ class Model:
 
     @functools.cached_property
     def module(self) -> Transformer:
-        return Transformer(self.config, moe_impl=self.moe_impl, dtype=self.dtype)
+        return Transformer(self.config, moe_impl=self.moe_impl, dtype=self.dtype, attention_impl=self.attention_impl)
 
     @functools.cached_property
     def _forward(self):
@@ -69,7 +70,8 @@ class Model:
         return out[0] if squeeze else out
 
 
-def load_model(path: str, dtype=None, moe_impl: str = "ragged", progress: bool = False) -> Model:
+def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: str = "auto",
+               progress: bool = False) -> Model:
     """Load a dinfer-jax checkpoint (converted by `dinfer-jax convert`) or a plain HF folder
     (converted on the fly, in memory). dtype: params dtype (default fp32 on CPU, bf16 elsewhere)."""
     if not os.path.isdir(path):
@@ -82,4 +84,4 @@ def load_model(path: str, dtype=None, moe_impl: str = "ragged", progress: bool =
         from converters.hf_import import load_hf_params
         cfg, flat = load_hf_params(path, progress=progress)
     params = unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat.items()})
-    return Model(cfg, params, moe_impl)
+    return Model(cfg, params, moe_impl, attention_impl)

@@ -62,6 +62,8 @@ class DecodeSpec:
             problems.append(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
         if self.strategy in st.FIXED and self.steps_per_block <= 0:
             problems.append(f"strategy {self.strategy!r} needs steps_per_block > 0")
+        if self.smoothing and self.cache == "prefix":
+            problems.append("iteration smoothing with the prefix cache is not supported (use none, dual or vicinity)")
         if min(self.prefix_look, self.after_look, self.warmup_steps, self.refresh_every) < 0:
             problems.append("prefix_look, after_look, warmup_steps and refresh_every must be >= 0")
         if problems:
@@ -195,7 +197,10 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
             return (jnp.zeros((B, Bk, V), jnp.float32),
                     (jnp.zeros(kv_shape, module.dtype), jnp.zeros(kv_shape, module.dtype)), soft_new)
 
-        logits_full, kv_full, soft_full = jax.lax.cond(jnp.any(need_full), full, no_full, None)
+        if spec.cache == "none":  # every active row runs a full forward; the loop only runs with some active
+            logits_full, kv_full, soft_full = full(None)
+        else:
+            logits_full, kv_full, soft_full = jax.lax.cond(jnp.any(need_full), full, no_full, None)
         logits = logits_full
         new_state = {}
         if spec.cache != "none":
@@ -306,9 +311,6 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
     lead = Bk if spec.start_block_align else 0
     starts = [max(0, gen_start - lead + j * Bk) for j in range(spec.num_blocks)]
     j_min = jnp.min(jnp.where(need_win, blk_B, spec.num_blocks - 1))
-    if spec.smoothing:
-        raise ValueError("iteration smoothing with the prefix cache is not supported; use dual or vicinity")
-
     def branch(j):
         w = starts[j]
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import as_starts, window_write
 from dinfer_jax.config import ModelConfig
-from pallas_kernels.attention import attention_reference
+from pallas_kernels.attention import attention
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -70,6 +70,7 @@ class Attention(nn.Module):
     """
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    attention_impl: str = "auto"  # pallas_kernels.attention.IMPLS
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None):
@@ -93,7 +94,7 @@ class Attention(nn.Module):
             k = window_write(k_full, k, starts, kv_write_BS)
             v = window_write(v_full, v, starts, kv_write_BS)
         with jax.named_scope("attention_core"):
-            o_BSNH = attention_reference(q, k, v, key_mask_BL)
+            o_BSNH = attention(q, k, v, key_mask_BL, impl=self.attention_impl)
         return jnp.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 

@@ -1,10 +1,13 @@
 """Mixture of experts: fp32 softmax router, top-k, SwiGLU experts.
 
-Two expert paths that must agree (tests/test_moe.py checks both against a per-expert loop):
+Expert paths that must agree (tests/test_moe.py checks each against a per-expert loop):
 - "dense":  every token through every expert (einsum over E), weights zero outside the top-k.
             Simple and obviously correct; costs E/X times the useful FLOPs.
 - "ragged": dropless: sort the T*X (token, expert) pairs by expert and run grouped matmuls with
-            `jax.lax.ragged_dot` over contiguous per-expert groups (the default).
+            `jax.lax.ragged_dot` over contiguous per-expert groups (the default on GPU/TPU).
+- "tiled":  the same sort, then pallas_kernels.moe's tile-padded scan over groups (the default on
+            CPU, where XLA lowers ragged_dot to a dense matmul per group: E times the work).
+"auto" picks by platform.
 """
 from __future__ import annotations
 
@@ -14,8 +17,17 @@ import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import param
+from pallas_kernels.moe import swiglu_experts_tiled
 
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
+
+
+def resolve_impl(impl: str) -> str:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"unknown moe impl {impl!r}; choose one of {MOE_IMPLS}")
+    if impl == "auto":
+        return "tiled" if jax.default_backend() == "cpu" else "ragged"
+    return impl
 
 
 def route(x_TD, w_router_DE, top_k: int, norm_topk_prob: bool):
@@ -41,26 +53,44 @@ def experts_dense(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD
     return jnp.einsum("ted,te->td", y_TED, combine_TE.astype(y_TED.dtype))
 
 
-def experts_ragged(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """Dropless sorted grouped-matmul path (same result as `experts_dense`)."""
+def _sorted_experts(x_TD, weights_TX, experts_TX, grouped_swiglu):
+    """Sort the T*X (token, slot) pairs by expert, run `grouped_swiglu(x_sorted, group_sizes)`,
+    unsort, and combine the X slots with the router weights."""
     T, X = experts_TX.shape
-    E = w_gate_EDF.shape[0]
     flat_experts = experts_TX.reshape(T * X)
     order = jnp.argsort(flat_experts, stable=True)  # (T*X,) slots grouped by expert
-    token_of_slot = order // X
-    x_sorted = jnp.take(x_TD, token_of_slot, axis=0)  # (T*X, D)
-    group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-    g = jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_sizes)
-    u = jax.lax.ragged_dot(x_sorted, w_up_EDF, group_sizes)
-    y_sorted = jax.lax.ragged_dot(nn.silu(g) * u, w_down_EFD, group_sizes)  # (T*X, D)
+    x_sorted = jnp.take(x_TD, order // X, axis=0)  # (T*X, D)
+    y_sorted = grouped_swiglu(x_sorted, flat_experts)
     y_slots = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(T, X, -1)
     return jnp.einsum("txd,tx->td", y_slots, weights_TX.astype(y_slots.dtype))
+
+
+def experts_ragged(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Dropless sorted grouped-matmul path with lax.ragged_dot (same result as `experts_dense`)."""
+    E = w_gate_EDF.shape[0]
+
+    def swiglu(x_sorted, flat_experts):
+        group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
+        g = jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_sizes)
+        u = jax.lax.ragged_dot(x_sorted, w_up_EDF, group_sizes)
+        return jax.lax.ragged_dot(nn.silu(g) * u, w_down_EFD, group_sizes)
+    return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
+
+
+def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Dropless sorted path with the tile-padded scan grouped matmul (same result as `experts_dense`)."""
+    E = w_gate_EDF.shape[0]
+
+    def swiglu(x_sorted, flat_experts):
+        group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
+        return swiglu_experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
 class MoE(nn.Module):
     """Routed SwiGLU experts. x_BSD -> y_BSD. Params: router (D, E), experts (E, D, F) / (E, F, D)."""
     cfg: ModelConfig
-    impl: str = "ragged"
+    impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -74,10 +104,7 @@ class MoE(nn.Module):
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         weights_TX, experts_TX = route(x_TD, w_router, c.num_experts_per_tok, c.norm_topk_prob)
-        if self.impl == "ragged":
-            y = experts_ragged(x_TD, weights_TX, experts_TX, wg, wu, wd)
-        elif self.impl == "dense":
-            y = experts_dense(x_TD, weights_TX, experts_TX, wg, wu, wd)
-        else:
-            raise ValueError(f"unknown moe impl {self.impl!r}; choose one of {MOE_IMPLS}")
+        impl = resolve_impl(self.impl)
+        fn = {"ragged": experts_ragged, "tiled": experts_tiled, "dense": experts_dense}[impl]
+        y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
         return y.reshape(B, S, D).astype(x_BSD.dtype)

@@ -27,13 +27,14 @@ from dinfer_jax.models.moe import MoE
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)). Scanned over layers."""
     cfg: ModelConfig
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    attention_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS):
         c = self.cfg
-        a, new_kv = Attention(c, self.dtype, name="attn")(
+        a, new_kv = Attention(c, self.dtype, self.attention_impl, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
             positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
         h = x_BSD + a
@@ -55,8 +56,9 @@ class Transformer(nn.Module):
     -> (B, size, V); default all S -> (B, S, V).
     """
     cfg: ModelConfig
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
 
     def setup(self):
         c = self.cfg
@@ -67,7 +69,7 @@ class Transformer(nn.Module):
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast), length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.moe_impl, self.dtype)
+        )(c, self.moe_impl, self.dtype, self.attention_impl)
         self.final_norm = RMSNorm(c.rms_norm_eps, "embed", self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
