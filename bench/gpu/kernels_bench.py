@@ -1,0 +1,102 @@
+"""Attention and MoE layer timings: our Pallas kernel vs jax.nn.dot_product_attention (cuDNN) vs
+the XLA reference; MoE expert paths (ragged_dot, tiled scan, dense einsum).
+
+  python bench/gpu/kernels_bench.py            # LLaDA-MoE shapes: S=64, L=1024..4096, N=K=16, H=128, bf16
+  python bench/gpu/kernels_bench.py --tiny     # tiny shapes, runs anywhere (Pallas in interpret mode on CPU)
+
+Prints one JSON line per measurement and a markdown table; medians of --repeats timed calls after
+one warm-up (compile) call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_ms(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def attention_rows(tiny: bool, repeats: int):
+    from pallas_kernels.attention import BlockSizes, attention
+    on_accel = jax.default_backend() in ("gpu", "tpu")
+    dtype = jnp.bfloat16
+    shapes = [(1, 8, 32, 4, 4, 16)] if tiny else [(B, 64, L, 16, 16, 128) for B in (1, 8) for L in (1024, 2048, 4096)]
+    impls = ["xla", "pallas"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
+    rows = []
+    for B, S, L, N, K, H in shapes:
+        ks = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(ks[0], (B, S, N, H), dtype)
+        k = jax.random.normal(ks[1], (B, L, K, H), dtype)
+        v = jax.random.normal(ks[2], (B, L, K, H), dtype)
+        mask = jnp.arange(L)[None, :] >= jnp.arange(B)[:, None] * 7
+        ref = None
+        for impl in impls:
+            f = jax.jit(lambda q, k, v, m, impl=impl: attention(
+                q, k, v, m, impl=impl, block_sizes=BlockSizes(64 if not tiny else 8, 128 if not tiny else 16),
+                interpret=None if on_accel else True))
+            try:
+                out = f(q, k, v, mask)
+                ms = median_ms(f, q, k, v, mask, repeats=repeats)
+            except Exception as e:  # a backend that cannot run here: record why, keep going
+                rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, H=H, error=str(e)[:200]))
+                continue
+            if ref is None:
+                ref = out
+            err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+            bytes_moved = 2 * (q.size + 2 * k.size + q.size)
+            rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, H=H, ms=round(ms, 4),
+                             GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_first=round(err, 5)))
+    return rows
+
+
+def moe_rows(tiny: bool, repeats: int):
+    from dinfer_jax.models.moe import experts_dense, experts_ragged, experts_tiled, route
+    T, D, F, E, X = (64, 64, 32, 8, 2) if tiny else (512, 2048, 1024, 64, 8)  # 7B-A1B: 8 x 64-token blocks
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    ks = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(ks[0], (T, D), dtype)
+    wr = jax.random.normal(ks[1], (D, E), dtype) * 0.1
+    wg, wu = (jax.random.normal(k, (E, D, F), dtype) * 0.02 for k in ks[2:4])
+    wd = jax.random.normal(ks[4], (E, F, D), dtype) * 0.02
+    rows = []
+    for name, fn in (("ragged_dot", experts_ragged), ("tiled", experts_tiled), ("dense", experts_dense)):
+        f = jax.jit(lambda x, fn=fn: fn(x, *route(x, wr, X, False), wg, wu, wd))
+        ms = median_ms(f, x, repeats=repeats)
+        flops = 2 * T * X * 3 * D * F
+        rows.append(dict(op="moe", impl=name, T=T, D=D, F=F, E=E, X=X, ms=round(ms, 4),
+                         useful_TFLOPs=round(flops / ms / 1e9, 3)))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--repeats", type=int, default=10)
+    a = ap.parse_args()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    rows = attention_rows(a.tiny, a.repeats) + moe_rows(a.tiny, a.repeats)
+    for r in rows:
+        print(json.dumps(r))
+    print("\n| op | impl | shape | ms | note |\n|---|---|---|---|---|")
+    for r in rows:
+        shape = (f"B{r['B']} S{r['S']} L{r['L']} N{r['N']} H{r['H']}" if r["op"] == "attention"
+                 else f"T{r['T']} D{r['D']} F{r['F']} E{r['E']} X{r['X']}")
+        note = r.get("error") or (f"{r['GBps']} GB/s, rel err {r['rel_err_vs_first']}" if r["op"] == "attention"
+                                  else f"{r['useful_TFLOPs']} useful TFLOP/s")
+        print(f"| {r['op']} | {r['impl']} | {shape} | {r.get('ms', '-')} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
