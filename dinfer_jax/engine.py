@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Sequence
 
 import jax
@@ -64,6 +65,8 @@ class SamplingParams:
             steps_per_block = steps // nb
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
         return DecodeSpec(
             gen_length=self.gen_length, block_length=self.block_length, strategy=self.strategy,
             steps_per_block=steps_per_block, cache=self.cache, refresh_every=self.refresh_every,
@@ -123,12 +126,19 @@ class Generator:
 
     def _prepare(self, prompts, params: SamplingParams):
         cfg = self.model.config
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 1 or (
-                len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        if hasattr(prompts, "shape"):  # one array: (L,) is one prompt, (B, L) a batch
+            arr = np.asarray(prompts)
+            prompts = [arr] if arr.ndim == 1 else list(arr)
+        elif len(prompts) and np.ndim(prompts[0]) == 0:  # a flat list of ids is one prompt
             prompts = [prompts]
-        rows = [self.model.check_ids(np.asarray(p)).reshape(-1) for p in prompts]
-        if not rows:
+        if not len(prompts):
             raise ValueError("no prompts given")
+        rows = []
+        for p in prompts:
+            arr = np.asarray(p)
+            if arr.ndim != 1:
+                raise ValueError(f"each prompt must be a 1-D sequence of token ids, got shape {arr.shape}")
+            rows.append(self.model.check_ids(arr))
         for r in rows:
             if (r == cfg.mask_token_id).any():
                 raise ValueError(f"prompt contains the mask token id {cfg.mask_token_id}")
@@ -164,6 +174,10 @@ class Generator:
         secs = time.perf_counter() - t
         stats = jax.tree_util.tree_map(np.asarray, stats)
         n = len(rows)
+        if not stats["done"][:n].all():  # only with non-finite logits (e.g. a bf16 overflow)
+            warnings.warn(f"{int((~stats['done'][:n]).sum())} of {n} prompts hit the iteration bound "
+                          f"({spec.max_iterations}) before every block was decoded; their output keeps mask ids",
+                          RuntimeWarning, stacklevel=2)
         raw = canvas[:n, gen_start:gen_start + spec.gen_length]
         cfg = self.model.config
         stops = {cfg.eos_token_id} | ({cfg.eot_token_id} if cfg.eot_token_id is not None else set())

@@ -165,7 +165,7 @@ def reference_generate(model, prompt, p):
             step += 1
             if (step >= S_fixed) if p.strategy == "fixed" else not np.any(x[s:e] == M):
                 break
-        if p.early_stop and np.any(x[s:e] == eos):
+        if p.early_stop and np.any(x[max(s, P):e] == eos):  # EOS generated in this block (not prompt EOS)
             x[e:] = eos
             break
     return x[P:].tolist(), nfe

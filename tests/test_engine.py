@@ -59,6 +59,16 @@ def test_smoothing_and_alignment_match_reference(model, cache, align):
         assert r.raw_ids[i].tolist() == reference_generate(model, prompt, p)[0], f"row {i}"
 
 
+def test_prompt_eos_inside_aligned_block_does_not_stop(model):
+    """With start_block_align the first block holds prompt tokens; an EOS there is not generated."""
+    eos = model.config.eos_token_id
+    p = dataclasses.replace(BASE, strategy="threshold", cache="dual", smoothing=True, start_block_align=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, eos]  # 10 tokens: the first aligned block is [8, 16)
+    r = generate(model, [prompt], p)
+    assert r.raw_ids[0].tolist() == reference_generate(model, prompt, p)[0]
+    assert not (r.raw_ids[0] == eos).all()
+
+
 def test_refresh_every_step_equals_no_cache(model):
     a = generate(model, PROMPTS, dataclasses.replace(BASE, cache="none"))
     b = generate(model, PROMPTS, dataclasses.replace(BASE, cache="dual", refresh_every=1))
@@ -151,6 +161,7 @@ def test_compile_once_per_bucket(model):
     (dict(strategy="fixed", steps=3), r"steps=3 must be a positive multiple of the number of blocks \(2\)"),
     (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
     (dict(smoothing=True, cache="prefix"), "iteration smoothing with the prefix cache is not supported"),
+    (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*32\)"),
 ])
 def test_bad_settings(bad, msg):
     cfg = preset("tiny")
@@ -163,6 +174,10 @@ def test_bad_prompts(model):
         generate(model, [[1, 127]], BASE)
     with pytest.raises(ValueError, match="token id 500 is out of the vocabulary"):
         generate(model, [[1, 500]], BASE)
+    with pytest.raises(ValueError, match=r"each prompt must be a 1-D sequence of token ids, got shape \(2, 2\)"):
+        generate(model, [[[1, 2], [3, 4]]], BASE)
+    with pytest.raises(ValueError, match="no prompts given"):
+        generate(model, [], BASE)
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=512"):
         generate(model, [[1] * 500], dataclasses.replace(BASE, gen_length=64))
 

@@ -189,13 +189,14 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
                 logits = window_slice(logits, start_B, Bk)
             else:
                 soft_new = None
+            if spec.cache != "none":  # refreshed rows take the new K/V; the others keep theirs
+                sel = need_full[None, :, None, None, None]
+                kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv, s["kv"]))
             return logits, kv, soft_new
 
         def no_full(_):
-            kv_shape = (cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim)
             soft_new = None if not spec.smoothing else jnp.zeros_like(soft)
-            return (jnp.zeros((B, Bk, V), jnp.float32),
-                    (jnp.zeros(kv_shape, module.dtype), jnp.zeros(kv_shape, module.dtype)), soft_new)
+            return jnp.zeros((B, Bk, V), jnp.float32), s["kv"], soft_new
 
         if spec.cache == "none":  # every active row runs a full forward; the loop only runs with some active
             logits_full, kv_full, soft_full = full(None)
@@ -204,8 +205,7 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
         logits = logits_full
         new_state = {}
         if spec.cache != "none":
-            sel = need_full[None, :, None, None, None]
-            kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv_full, s["kv"]))
+            kv = kv_full
             new_state["kv"] = kv
             logits_win, soft_win, win_start = _window_forward(
                 spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s["blk"], need_win, gen_start,
@@ -244,7 +244,9 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
         else:
             finished = active & ~jnp.any(x_blk == M, axis=-1)
         block_end = start_B + Bk
-        has_eos = jnp.any(x_blk == spec.eos_id, axis=-1) if spec.early_stop else jnp.zeros((B,), bool)
+        in_gen = (start_B[:, None] + jnp.arange(Bk)[None, :]) >= gen_start  # aligned blocks may hold prompt
+        has_eos = (jnp.any((x_blk == spec.eos_id) & in_gen, axis=-1) if spec.early_stop
+                   else jnp.zeros((B,), bool))
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= block_end[:, None]) & (idx_L[None, :] < gen_end)
         x = jnp.where(fill, spec.eos_id, x)
