@@ -137,12 +137,6 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     def block_start(blk_B):
         return first_B + blk_B * Bk
 
-    # Window geometry for cached forwards (static sizes; per-row or per-branch starts).
-    if spec.cache == "dual":
-        win_size, win_offset = Bk, 0
-    elif spec.cache == "vicinity":
-        win_size, win_offset = spec.prefix_look + Bk + spec.after_look, spec.prefix_look
-
     state = dict(
         x=canvas_BL, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
         it=jnp.zeros((B,), jnp.int32), done=~active_B, n_entry=jnp.zeros((B,), jnp.int32),
