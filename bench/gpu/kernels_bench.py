@@ -1,5 +1,5 @@
 """Attention and MoE layer timings: our Pallas kernel vs jax.nn.dot_product_attention (cuDNN) vs
-the XLA reference; MoE expert paths (ragged_dot, tiled scan, dense einsum).
+the XLA reference; MoE expert paths (ragged_dot, tiled scan, dense einsum; the Pallas GMM on TPU).
 
   python bench/gpu/kernels_bench.py            # LLaDA-MoE shapes: S=64, L=1024..4096, N=K=16, H=128, bf16
   python bench/gpu/kernels_bench.py --tiny     # tiny shapes, runs anywhere (Pallas in interpret mode on CPU)
@@ -62,7 +62,7 @@ def attention_rows(tiny: bool, repeats: int):
 
 
 def moe_rows(tiny: bool, repeats: int):
-    from dinfer_jax.models.moe import experts_dense, experts_ragged, experts_tiled, route
+    from dinfer_jax.models.moe import experts_dense, experts_pallas, experts_ragged, experts_tiled, route
     T, D, F, E, X = (64, 64, 32, 8, 2) if tiny else (512, 2048, 1024, 64, 8)  # 7B-A1B: 8 x 64-token blocks
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     ks = jax.random.split(jax.random.key(1), 5)
@@ -71,7 +71,10 @@ def moe_rows(tiny: bool, repeats: int):
     wg, wu = (jax.random.normal(k, (E, D, F), dtype) * 0.02 for k in ks[2:4])
     wd = jax.random.normal(ks[4], (E, F, D), dtype) * 0.02
     rows = []
-    for name, fn in (("ragged_dot", experts_ragged), ("tiled", experts_tiled), ("dense", experts_dense)):
+    impls = (("ragged_dot", experts_ragged), ("tiled", experts_tiled), ("dense", experts_dense))
+    if jax.default_backend() == "tpu":  # the Pallas GMM kernel only compiles (Mosaic) on TPU
+        impls += (("pallas_gmm", experts_pallas),)
+    for name, fn in impls:
         f = jax.jit(lambda x, fn=fn: fn(x, *route(x, wr, X, False), wg, wu, wd))
         ms = median_ms(f, x, repeats=repeats)
         flops = 2 * T * X * 3 * D * F

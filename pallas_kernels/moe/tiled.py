@@ -20,7 +20,9 @@ def tile_rows_for(rows: int, experts: int) -> int:
 
 def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int | None = None):
     """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum to
-    R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group."""
+    at most R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group.
+    Rows past sum(group_sizes_E) belong to no group: they are never multiplied and give 0 (the
+    expert-parallel path sends the (token, expert) pairs of other shards' experts there)."""
     R, D = x_RD.shape
     E = w_gate_EDF.shape[0]
     m = tile or tile_rows_for(R, E)
@@ -30,8 +32,11 @@ def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, 
     padded = (sizes + m - 1) // m * m
     pstarts = jnp.cumsum(padded) - padded
     row_group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(R, dtype=jnp.int32), side="right")
-    dest = pstarts[row_group] + jnp.arange(R, dtype=jnp.int32) - starts[row_group]
-    buf = jnp.zeros((num_tiles * m, D), x_RD.dtype).at[dest].set(x_RD)
+    in_group = row_group < E
+    row_group = jnp.minimum(row_group, E - 1)
+    dump = num_tiles * m  # rows in no group go here: dropped on write, read back as 0
+    dest = jnp.where(in_group, pstarts[row_group] + jnp.arange(R, dtype=jnp.int32) - starts[row_group], dump)
+    buf = jnp.zeros((num_tiles * m, D), x_RD.dtype).at[dest].set(x_RD, mode="drop")
     tile_expert = jnp.clip(jnp.searchsorted(pstarts + padded, jnp.arange(num_tiles, dtype=jnp.int32) * m,
                                             side="right"), 0, E - 1)
 
@@ -47,4 +52,5 @@ def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, 
         return None, jax.lax.cond(t < used_tiles, compute, lambda t: jnp.zeros((m, D), buf.dtype), t)
 
     _, y = jax.lax.scan(one, None, jnp.arange(num_tiles))
-    return y.reshape(num_tiles * m, D)[dest]
+    y = jnp.concatenate([y.reshape(num_tiles * m, D), jnp.zeros((1, D), y.dtype)])
+    return y[dest]

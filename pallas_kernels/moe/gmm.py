@@ -1,0 +1,265 @@
+"""Megablox-style grouped matmul (GMM) in Pallas for TPU (Mosaic); interpreter elsewhere.
+
+    out_MN[m] = lhs_MK[m] @ rhs_GKN[g(m)]
+
+Letters: M rows (tokens x top-k slots, sorted by group), K contraction dim, N output dim, G groups
+(experts), V grid visits along M. Rows of lhs are sorted by group: group g owns the consecutive
+rows [off[g], off[g+1]) with off = [0, cumsum(group_sizes)] (cut at M); rows past
+sum(group_sizes) belong to no group and come out as 0.
+
+Design
+- M is padded to a multiple of the row tile tm; the grid is (N/tn, V, K/tk), K innermost, with an
+  fp32 (tm, tn) accumulator in VMEM scratch that is zeroed at k == 0 and written out at the last k.
+- A "visit" is one (row tile, group) pair. Visits are ordered by group, so row tiles are
+  non-decreasing. A row tile that straddles a group boundary is visited once for each group it
+  touches: every visit multiplies the whole tile by its group's weights and writes only the rows
+  of that group (a masked write); the other rows keep what the earlier visit of the same tile
+  wrote. Consecutive visits of one tile map to the same output block, so the block stays in VMEM
+  between them (Pallas writes an output block back only when its block index changes). The first
+  visit of a tile writes 0 to the rows outside its group, so rows past sum(group_sizes) are 0.
+  Row tiles past sum(group_sizes) get one visit each that only writes zeros (no matmul).
+- Visits per N column: at most tiles_m + G - 1 (each group boundary inside a tile adds one); the
+  grid has that static length, and the steps past the real visit count (a traced value) repeat
+  the last visit's block indices (no new DMA) and do nothing.
+- The visit metadata (group offsets, per-visit group id and row tile, the visit count) is computed
+  in plain JAX from group_sizes and passed as scalar-prefetch operands (SMEM) that drive the
+  BlockSpec index maps: lhs block (tile[v], k), rhs block (group[v], k, n), out block (tile[v], n).
+- Dimension semantics: N "parallel" (independent columns; megacore may split it), V and K
+  "arbitrary" (V revisits output blocks, K reduces into the accumulator).
+
+Block-size rules (checked in `validate`; Mosaic's (8, 128) tiling of the last two block dims):
+- block_m: a multiple of the sublane count, 8 for 32-bit dtypes and 16 for 16-bit ones (lhs and
+  output); shrunk to M rounded up to that multiple when M is smaller.
+- block_k, block_n: a block equal to the whole dim (K or N) is always allowed; otherwise it must
+  be a multiple of 128 and divide K (resp. N). A block larger than the dim is shrunk to the dim.
+- The same rules are enforced in interpret mode, so a configuration that passes the CPU tests
+  has TPU-legal block shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmBlockSizes:
+    """Tile sizes: block_m rows of lhs, block_k of the contraction, block_n output columns.
+    See the module docstring for the TPU rules each must follow."""
+    block_m: int = 128
+    block_k: int = 128
+    block_n: int = 128
+
+    def validate(self):
+        for name in ("block_m", "block_k", "block_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"GmmBlockSizes.{name}={v!r} must be a positive int")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _sublanes(dtype) -> int:
+    """Rows per (sublane x 128 lane) native TPU tile: 8 for 32-bit, 16 for 16-bit dtypes."""
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _fit(block: int, dim: int, what: str, letter: str) -> int:
+    """A block no larger than its dim, dividing it, lane-aligned unless it is the whole dim."""
+    b = min(block, dim)
+    if dim % b:
+        raise ValueError(f"gmm: block_{letter}={b} does not divide {what}={dim}; pick a block that "
+                         f"divides it (or >= {dim} for a single block)")
+    if b != dim and b % _LANES:
+        raise ValueError(f"gmm: block_{letter}={b} must be a multiple of {_LANES} (TPU lane width) "
+                         f"or the whole {what}={dim}")
+    return b
+
+
+def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dtype):
+    """Clear errors for inputs the kernel does not support. Returns the effective (tm, tk, tn)."""
+    if lhs_MK.ndim != 2:
+        raise ValueError(f"gmm: lhs must be 2-D (M, K), got shape {tuple(lhs_MK.shape)}")
+    if rhs_GKN.ndim != 3:
+        raise ValueError(f"gmm: rhs must be 3-D (G, K, N), got shape {tuple(rhs_GKN.shape)}")
+    if group_sizes_G.ndim != 1:
+        raise ValueError(f"gmm: group_sizes must be 1-D (G,), got shape {tuple(group_sizes_G.shape)}")
+    (M, K), (G, Kr, N) = lhs_MK.shape, rhs_GKN.shape
+    if Kr != K:
+        raise ValueError(f"gmm: contraction dims differ: lhs (M, K)={tuple(lhs_MK.shape)} vs "
+                         f"rhs (G, K, N)={tuple(rhs_GKN.shape)}")
+    if group_sizes_G.shape[0] != G:
+        raise ValueError(f"gmm: group_sizes has {group_sizes_G.shape[0]} entries but rhs has G={G} groups")
+    if G == 0 or K == 0 or N == 0:
+        raise ValueError(f"gmm: empty dims are not supported: G={G}, K={K}, N={N}")
+    if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+        raise ValueError(f"gmm: group_sizes must be an integer array, got {group_sizes_G.dtype}")
+    for name, dt in (("lhs", lhs_MK.dtype), ("rhs", rhs_GKN.dtype), ("preferred_element_type", out_dtype)):
+        if jnp.dtype(dt) not in _SUPPORTED_DTYPES:
+            raise ValueError(f"gmm: {name} dtype {jnp.dtype(dt)} is not supported "
+                             f"(supported: {[str(d) for d in _SUPPORTED_DTYPES]})")
+    if lhs_MK.dtype != rhs_GKN.dtype:
+        raise ValueError(f"gmm: lhs and rhs dtypes differ ({lhs_MK.dtype} vs {rhs_GKN.dtype}); cast one")
+    block_sizes.validate()
+    sub = max(_sublanes(lhs_MK.dtype), _sublanes(out_dtype))
+    if block_sizes.block_m % sub:
+        raise ValueError(f"gmm: block_m={block_sizes.block_m} must be a multiple of {sub} "
+                         f"(TPU sublane tiling for {jnp.dtype(lhs_MK.dtype)} in / {jnp.dtype(out_dtype)} out)")
+    tm = min(block_sizes.block_m, _round_up(max(M, 1), sub))
+    tk = _fit(block_sizes.block_k, K, "K", "k")
+    tn = _fit(block_sizes.block_n, N, "N", "n")
+    return tm, tk, tn
+
+
+def make_group_metadata(group_sizes_G, num_rows: int, tm: int):
+    """Visit schedule for rows padded to tiles_m = ceil(num_rows / tm) row tiles.
+
+    Returns (group_offsets (G+1,), group_ids_V, tile_ids_V, num_visits (1,)), all int32, with
+    V = tiles_m + G - 1 (static bound). Visits [0, num_visits) are: for each non-empty group in
+    order, every row tile it touches; then one visit for each row tile past sum(group_sizes)
+    (its group's row range misses the tile, so it only writes zeros). Visits past num_visits
+    repeat the last real visit.
+    """
+    G = group_sizes_G.shape[0]
+    tiles_m = -(-num_rows // tm)
+    V = tiles_m + G - 1
+    sizes = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)  # cut at M: rows past M do not exist
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    group_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    first_tile = starts // tm
+    tiles_per_group = jnp.where(ends > starts, (ends - 1) // tm - first_tile + 1, 0)
+    visit_end = jnp.cumsum(tiles_per_group)  # exclusive end of each group's visits
+    visit_start = visit_end - tiles_per_group
+    group_visits = visit_end[-1]
+    used_tiles = (ends[-1] + tm - 1) // tm  # tiles holding at least one grouped row
+    num_visits = group_visits + (tiles_m - used_tiles)
+
+    v = jnp.arange(V, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(visit_end, v, side="right").astype(jnp.int32), G - 1)
+    in_groups = v < group_visits
+    tile = jnp.where(in_groups, first_tile[g] + v - visit_start[g], used_tiles + v - group_visits)
+    g = jnp.where(in_groups, g, G - 1)
+    last = num_visits - 1
+    real = v < num_visits
+    tile_ids = jnp.where(real, tile, tile[last]).astype(jnp.int32)
+    group_ids = jnp.where(real, g, g[last]).astype(jnp.int32)
+    return group_offsets, group_ids, tile_ids, num_visits.reshape(1).astype(jnp.int32)
+
+
+def _gmm_kernel(group_offsets, group_ids, tile_ids, num_visits,  # scalar prefetch (SMEM)
+                lhs_ref, rhs_ref, *refs, tm: int, tn: int, nk: int):
+    out_ref, acc_ref = refs[-2], refs[-1]  # refs = ([poisoned_init_ref,] out_ref, acc_ref)
+    v, k = pl.program_id(1), pl.program_id(2)
+    g, tile = group_ids[v], tile_ids[v]
+    start, end = group_offsets[g], group_offsets[g + 1]
+    row0 = tile * tm
+    real = v < num_visits[0]
+    overlaps = jnp.maximum(start, row0) < jnp.minimum(end, row0 + tm)  # this group has rows here
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(real & overlaps)
+    def _():
+        acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(real & (k == nk - 1))
+    def _():
+        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        in_group = (rows >= start) & (rows < end)
+        first = (v == 0) | (tile_ids[jnp.maximum(v - 1, 0)] != tile)  # earlier visits wrote other rows
+        keep = jnp.where(first, jnp.zeros((tm, tn), out_ref.dtype), out_ref[...])
+        out_ref[...] = jnp.where(in_group, acc_ref[...].astype(out_ref.dtype), keep)
+
+
+def _compiler_params(ndims_parallel: int, ndims: int):
+    from jax.experimental.pallas import tpu as pltpu
+    params_cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+    return params_cls(dimension_semantics=("parallel",) * ndims_parallel + ("arbitrary",) * (ndims - ndims_parallel))
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "preferred_element_type", "poison_output"))
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, block_sizes: GmmBlockSizes | None = None, interpret: bool = False,
+        preferred_element_type=None, poison_output: bool = False):
+    """Grouped matmul: (M, K) rows sorted by group x (G, K, N) per-group weights -> (M, N).
+
+    group_sizes_G: integer (G,), non-negative; group g owns the next group_sizes_G[g] rows. Rows
+    past sum(group_sizes) give 0; sizes summing past M are cut at M. Accumulation is fp32; the
+    output has `preferred_element_type` (default: lhs's dtype). lhs and rhs share one dtype
+    (float32, bfloat16 or float16). block_sizes: see `GmmBlockSizes` and the module docstring.
+    interpret=True runs the kernel body in the Pallas interpreter (any platform; how CPU tests
+    run it). poison_output (tests): the output buffer starts as NaN (aliased input), so a tile
+    the kernel fails to write shows up as NaN.
+    """
+    block_sizes = block_sizes or GmmBlockSizes()
+    out_dtype = jnp.dtype(lhs_MK.dtype if preferred_element_type is None else preferred_element_type)
+    tm, tk, tn = validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes, out_dtype)
+    (M, K), (G, _, N) = lhs_MK.shape, rhs_GKN.shape
+    if M == 0:
+        return jnp.zeros((0, N), out_dtype)
+    M_pad = _round_up(M, tm)
+    lhs = jnp.pad(lhs_MK, ((0, M_pad - M), (0, 0)))
+    group_offsets, group_ids, tile_ids, num_visits = make_group_metadata(group_sizes_G, M, tm)
+    V, nk, nn = group_ids.shape[0], K // tk, N // tn
+
+    def k_block(v, k, num_visits):
+        # Steps past the last real visit keep the last k block: same indices, so no new DMA.
+        return jnp.where(v < num_visits[0], k, nk - 1)
+
+    lhs_spec = pl.BlockSpec((tm, tk), lambda n, v, k, off, gid, tid, nv: (tid[v], k_block(v, k, nv)))
+    rhs_spec = pl.BlockSpec((pl.squeezed, tk, tn), lambda n, v, k, off, gid, tid, nv: (gid[v], k_block(v, k, nv), n))
+    out_spec = pl.BlockSpec((tm, tn), lambda n, v, k, off, gid, tid, nv: (tid[v], n))
+    in_specs, args, aliases = [lhs_spec, rhs_spec], [lhs, rhs_GKN], {}
+    if poison_output:
+        in_specs.append(out_spec)
+        args.append(jnp.full((M_pad, N), jnp.nan, out_dtype))
+        aliases = {4 + 2: 0}  # operand index counts the 4 scalar-prefetch operands
+
+    from jax.experimental.pallas import tpu as pltpu
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(nn, V, nk),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+    )
+    out = pl.pallas_call(
+        functools.partial(_gmm_kernel, tm=tm, tn=tn, nk=nk),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((M_pad, N), out_dtype),
+        input_output_aliases=aliases,
+        compiler_params=None if interpret else _compiler_params(1, 3),
+        interpret=interpret,
+        name="dlm_gmm",
+    )(group_offsets, group_ids, tile_ids, num_visits, *args)
+    return out[:M]
+
+
+def swiglu_experts_gmm(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                       block_sizes: GmmBlockSizes | None = None, interpret: bool = False):
+    """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum
+    to R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group.
+
+    Same contract as `swiglu_experts_tiled`. The matmuls run in the weights' dtype (x is cast to
+    it) with fp32 accumulation; gate and up come out in fp32, the SwiGLU is taken in fp32 and cast
+    back to the weights' dtype for the down projection; y has x's dtype.
+    """
+    x = x_RD.astype(w_gate_EDF.dtype)
+    g_RF = gmm(x, w_gate_EDF, group_sizes_E, block_sizes=block_sizes, interpret=interpret,
+               preferred_element_type=jnp.float32)
+    u_RF = gmm(x, w_up_EDF, group_sizes_E, block_sizes=block_sizes, interpret=interpret,
+               preferred_element_type=jnp.float32)
+    h_RF = (jax.nn.silu(g_RF) * u_RF).astype(w_down_EFD.dtype)
+    y_RD = gmm(h_RF, w_down_EFD, group_sizes_E, block_sizes=block_sizes, interpret=interpret,
+               preferred_element_type=jnp.float32)
+    return y_RD.astype(x_RD.dtype)
