@@ -55,6 +55,7 @@ class CheckpointWriter:
     def __init__(self, folder: str):
         if os.path.exists(folder) and os.listdir(folder):
             raise FileExistsError(f"{folder}: destination exists and is not empty")
+        _sync_processes("dinfer_jax_checkpoint_writer_checked")  # every process checked before any writes
         os.makedirs(os.path.join(folder, "params"), exist_ok=True)
         self.folder, self.specs, self.ckptr = folder, {}, _checkpointer()
 
@@ -72,6 +73,8 @@ class CheckpointWriter:
             spec["shape"][0] = spec["layers"]
 
     def finish(self, hf_config: dict, source_folder: str | None = None):
+        if jax.process_index() != 0:  # one writer of the small files on a shared filesystem
+            return
         with open(os.path.join(self.folder, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         with open(os.path.join(self.folder, MANIFEST), "w") as f:
@@ -80,14 +83,22 @@ class CheckpointWriter:
             copy_side_files(source_folder, self.folder)
 
 
+def _sync_processes(name: str):
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 def save_params(folder: str, params: dict, hf_config: dict, source_folder: str | None = None):
     """Write an in-memory params tree (nested or flat) as a dinfer-jax checkpoint; params under
-    "layers/" are written one layer slab at a time."""
+    "layers/" are written one layer slab at a time. Sharded jax.Arrays are saved sharded (each
+    process writes its own shards; nothing is gathered to one host); every process must call this."""
     from dinfer_jax.models import flatten
     flat = flatten(params) if any(isinstance(v, dict) for v in params.values()) else params
     w = CheckpointWriter(folder)
     for path, arr in flat.items():
-        arr = np.asarray(arr)
+        if not isinstance(arr, jax.Array):
+            arr = np.asarray(arr)
         if path.startswith("layers/"):
             for i in range(arr.shape[0]):
                 w.add(path, i, arr[i])
@@ -149,3 +160,21 @@ def read_params(folder: str, dtype=None, shardings: dict | None = None) -> dict:
     """Flat {path: array} of every parameter; `shardings` {path: Sharding} places each directly."""
     man = read_manifest(folder)
     return {p: read_param(folder, p, (shardings or {}).get(p), dtype, man) for p in man["params"]}
+
+
+# The built-in demo model (trained by `python -m dinfer_jax.train`, see README) ships inside the package.
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+
+
+def generation_defaults(folder: str) -> dict:
+    """Decoding defaults a model folder recommends: the "dinfer_jax" entry of its
+    generation_config.json (e.g. {"gen_length": 16, "block_length": 16}); {} when absent."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            d = json.load(f).get("dinfer_jax") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return {}
+    return {k: d[k] for k in ("gen_length", "block_length") if isinstance(d.get(k), int)}

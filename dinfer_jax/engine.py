@@ -9,9 +9,9 @@ import warnings
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import CACHES, KNOBS, DecodeSpec, generate_loop
 from dinfer_jax.decoding.strategies import FIXED, STRATEGIES
 
@@ -116,7 +116,7 @@ class Generator:
             def run(params, canvas, pad, plen, active, knobs):
                 self.compiles += 1  # runs at trace time only
                 return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs)
-            self._programs[key] = jax.jit(run, donate_argnums=(1,))
+            self._programs[key] = jax.jit(run, donate_argnums=(1,))  # outputs keep the canvas sharding
         return self._programs[key]
 
     def lower(self, prompts, params: SamplingParams):
@@ -143,7 +143,8 @@ class Generator:
             if (r == cfg.mask_token_id).any():
                 raise ValueError(f"prompt contains the mask token id {cfg.mask_token_id}")
         spec = params.spec(cfg.mask_token_id, cfg.eos_token_id)
-        B = _bucket_batch(len(rows))
+        dp = self.model.data_parallel
+        B = -(-_bucket_batch(len(rows)) // dp) * dp  # rows split evenly over the mesh's data axis
         gen_start = _bucket_len(max(len(r) for r in rows) + spec.head_room)
         Lc = gen_start + spec.gen_length + spec.tail_room
         if max(len(r) for r in rows) + spec.gen_length > cfg.max_position_embeddings:
@@ -160,8 +161,8 @@ class Generator:
         active = np.arange(B) < len(rows)
         knobs = {k: np.full((B,), getattr(params, k), np.uint32 if k == "seed" else np.float32) for k in KNOBS}
         prog = self._program(spec, gen_start)
-        args = (self.model.params, jnp.asarray(canvas), jnp.asarray(pad), jnp.asarray(plen), jnp.asarray(active),
-                {k: jnp.asarray(v) for k, v in knobs.items()})
+        put = self.model.place_batch
+        args = (self.model.params, put(canvas), put(pad), put(plen), put(active), {k: put(v) for k, v in knobs.items()})
         return prog, args, rows, spec, gen_start
 
     def generate(self, prompts, params: SamplingParams | None = None) -> GenerationResult:
@@ -170,9 +171,9 @@ class Generator:
         t = time.perf_counter()
         with jax.profiler.TraceAnnotation("dinfer_generate"):
             canvas, stats = prog(*args)
-            canvas = np.asarray(canvas)
+            canvas = to_host(canvas)
         secs = time.perf_counter() - t
-        stats = jax.tree_util.tree_map(np.asarray, stats)
+        stats = jax.tree_util.tree_map(to_host, stats)
         n = len(rows)
         if not stats["done"][:n].all():  # only with non-finite logits (e.g. a bf16 overflow)
             warnings.warn(f"{int((~stats['done'][:n]).sum())} of {n} prompts hit the iteration bound "

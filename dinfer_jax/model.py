@@ -4,14 +4,16 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax import checkpoint as ckpt
+from dinfer_jax import sharding as shd
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.models import Transformer, unflatten
+from dinfer_jax.models import Transformer, flatten, unflatten
 
 
 def default_dtype():
@@ -21,11 +23,25 @@ def default_dtype():
 
 @dataclass
 class Model:
-    """A config plus an explicit params pytree. `logits(ids)` runs the full bidirectional forward."""
+    """A config plus an explicit params pytree. `logits(ids)` runs the full bidirectional forward.
+
+    With `mesh` (sharding.make_mesh), params are global arrays placed by sharding.param_shardings
+    (use `with_mesh` or `load_model(..., mesh=)`), the MoE runs expert parallel, and inputs and
+    outputs are placed/gathered for every process.
+    """
     config: ModelConfig
     params: dict
     moe_impl: str = "auto"
     attention_impl: str = "auto"
+    mesh: Any = None
+
+    def with_mesh(self, mesh) -> "Model":
+        """The same model with params placed on `mesh` (ShardingError if the mesh does not fit)."""
+        if mesh is None:
+            return Model(self.config, self.params, self.moe_impl, self.attention_impl)
+        shd.check_mesh_fits(self.config, mesh)
+        flat = shd.shard_params(flatten(self.params), self.config, mesh)
+        return Model(self.config, unflatten(flat), self.moe_impl, self.attention_impl, mesh)
 
     @property
     def dtype(self):
@@ -33,11 +49,26 @@ class Model:
 
     @functools.cached_property
     def module(self) -> Transformer:
-        return Transformer(self.config, moe_impl=self.moe_impl, dtype=self.dtype, attention_impl=self.attention_impl)
+        return Transformer(self.config, moe_impl=self.moe_impl, dtype=self.dtype, attention_impl=self.attention_impl,
+                           mesh=self.mesh)
 
     @functools.cached_property
     def _forward(self):
-        return jax.jit(lambda p, t, m: self.module.apply({"params": p}, t, key_mask_BL=m)[0])
+        out = None if self.mesh is None else shd.NamedSharding(self.mesh, shd.P())
+        return jax.jit(lambda p, t, m: self.module.apply({"params": p}, t, key_mask_BL=m)[0], out_shardings=out)
+
+    def place_batch(self, arr: np.ndarray):
+        """A host (B, ...) array -> device array, split over the mesh's batch axes when there is a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(arr)
+        axes = shd.batch_axes(arr.shape[0], self.mesh)
+        spec = shd.P(axes if axes else None, *([None] * (arr.ndim - 1)))
+        return shd.to_global(arr, shd.NamedSharding(self.mesh, spec))
+
+    @property
+    def data_parallel(self) -> int:
+        """Size of the mesh's data axis (batches are padded to a multiple of it); 1 without a mesh."""
+        return 1 if self.mesh is None else self.mesh.shape["data"]
 
     @functools.cached_property
     def generator(self):
@@ -65,23 +96,35 @@ class Model:
         arr = self.check_ids(ids)
         squeeze = arr.ndim == 1
         arr2 = arr[None] if squeeze else arr
-        mask = None if key_mask is None else jnp.asarray(np.asarray(key_mask, bool).reshape(arr2.shape))
-        out = np.asarray(self._forward(self.params, jnp.asarray(arr2), mask))
+        if arr2.shape[0] % self.data_parallel:
+            raise shd.ShardingError(f"batch of {arr2.shape[0]} rows does not split over the mesh's data axis "
+                                    f"of size {self.data_parallel}; pad the batch to a multiple of it")
+        mask = None if key_mask is None else self.place_batch(np.asarray(key_mask, bool).reshape(arr2.shape))
+        out = shd.to_host(self._forward(self.params, self.place_batch(arr2), mask))
         return out[0] if squeeze else out
 
 
 def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: str = "auto",
-               progress: bool = False) -> Model:
+               progress: bool = False, mesh=None) -> Model:
     """Load a dinfer-jax checkpoint (converted by `dinfer-jax convert`) or a plain HF folder
-    (converted on the fly, in memory). dtype: params dtype (default fp32 on CPU, bf16 elsewhere)."""
+    (converted on the fly, in memory). dtype: params dtype (default fp32 on CPU, bf16 elsewhere).
+    mesh: place the params on it (a dinfer-jax checkpoint is restored straight into the target
+    shardings, slab by slab, whatever mesh it was saved from)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model folder {path!r} does not exist")
     dtype = default_dtype() if dtype is None else dtype
+    if mesh is not None and ckpt.is_checkpoint(path):
+        cfg = ckpt.read_config(path)
+        shd.check_mesh_fits(cfg, mesh)
+        man = ckpt.read_manifest(path)
+        shardings = shd.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()})
+        flat = ckpt.read_params(path, dtype=dtype, shardings=shardings)
+        return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh)
     if ckpt.is_checkpoint(path):
         cfg = ckpt.read_config(path)
         flat = ckpt.read_params(path)
     else:
         from converters.hf_import import load_hf_params
         cfg, flat = load_hf_params(path, progress=progress)
-    params = unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat.items()})
-    return Model(cfg, params, moe_impl, attention_impl)
+    model = Model(cfg, unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat.items()}), moe_impl, attention_impl)
+    return model if mesh is None else model.with_mesh(mesh)

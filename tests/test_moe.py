@@ -56,12 +56,14 @@ def test_ragged_equals_dense_equals_loop(rng, top_k, renorm, skew):
         assert np.abs(got - want).max() <= 1e-5 * scale
 
 
-@pytest.mark.parametrize("sizes,tile", [([0, 5, 0, 17, 1, 0, 9, 0], 8), ([32, 0, 0, 0], 8), ([3, 3, 3, 3], 16),
-                                        ([0, 0, 0, 7], 8)])
-def test_tiled_grouped_matmul_uneven_groups(rng, sizes, tile):
-    """Rows already sorted by group; empty groups, one group taking all rows, tiles larger than groups."""
+@pytest.mark.parametrize("sizes,tile,extra", [([0, 5, 0, 17, 1, 0, 9, 0], 8, 0), ([32, 0, 0, 0], 8, 0),
+                                              ([3, 3, 3, 3], 16, 0), ([0, 0, 0, 7], 8, 0),
+                                              ([2, 0, 6, 1], 8, 13), ([0, 0, 0, 0], 8, 5)])
+def test_tiled_grouped_matmul_uneven_groups(rng, sizes, tile, extra):
+    """Rows already sorted by group; empty groups, one group taking all rows, tiles larger than groups;
+    `extra` trailing rows in no group (the expert-parallel path's other-shard pairs) must give 0."""
     E, D, F = len(sizes), 16, 8
-    R = sum(sizes)  # the group sizes always cover every row
+    R = sum(sizes) + extra
     x = rng.randn(R, D).astype(np.float32)
     wg, wu, wd = rng.randn(E, D, F), rng.randn(E, D, F), rng.randn(E, F, D)
     want = np.zeros((R, D))

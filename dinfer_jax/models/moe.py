@@ -4,12 +4,17 @@ Expert paths that must agree (tests/test_moe.py checks each against a per-expert
 - "dense":  every token through every expert (einsum over E), weights zero outside the top-k.
             Simple and obviously correct; costs E/X times the useful FLOPs.
 - "ragged": dropless: sort the T*X (token, expert) pairs by expert and run grouped matmuls with
-            `jax.lax.ragged_dot` over contiguous per-expert groups (the default on GPU/TPU).
+            `jax.lax.ragged_dot` over contiguous per-expert groups (the default on GPU).
 - "tiled":  the same sort, then pallas_kernels.moe's tile-padded scan over groups (the default on
             CPU, where XLA lowers ragged_dot to a dense matmul per group: E times the work).
-"auto" picks by platform.
+- "pallas": the same sort, then pallas_kernels.moe's megablox-style grouped-matmul Pallas kernel
+            (`gmm`, Mosaic; the default on TPU). Off TPU it runs in the Pallas interpreter
+            (slow; for tests).
+"auto" picks by platform: "pallas" on TPU, "ragged" on GPU, "tiled" on CPU.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -17,16 +22,16 @@ import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import param
-from pallas_kernels.moe import swiglu_experts_tiled
+from pallas_kernels.moe import swiglu_experts_gmm, swiglu_experts_tiled
 
-MOE_IMPLS = ("auto", "ragged", "tiled", "dense")
+MOE_IMPLS = ("auto", "ragged", "tiled", "pallas", "dense")
 
 
 def resolve_impl(impl: str) -> str:
     if impl not in MOE_IMPLS:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {MOE_IMPLS}")
     if impl == "auto":
-        return "tiled" if jax.default_backend() == "cpu" else "ragged"
+        return {"tpu": "pallas", "cpu": "tiled"}.get(jax.default_backend(), "ragged")
     return impl
 
 
@@ -87,11 +92,24 @@ def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
+def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Dropless sorted path with the Pallas grouped-matmul kernel (same result as `experts_dense`);
+    interpreted off TPU."""
+    E = w_gate_EDF.shape[0]
+    interpret = jax.default_backend() != "tpu"
+
+    def swiglu(x_sorted, flat_experts):
+        group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
+        return swiglu_experts_gmm(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, interpret=interpret)
+    return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts. x_BSD -> y_BSD. Params: router (D, E), experts (E, D, F) / (E, F, D)."""
     cfg: ModelConfig
     impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    mesh: Any = None  # a ("data", "expert", "model") Mesh: expert parallelism (models/expert_parallel.py)
 
     @nn.compact
     def __call__(self, x_BSD):
@@ -103,8 +121,16 @@ class MoE(nn.Module):
         wd = param(self, "down_proj", (E, F, D), ("expert", "mlp", "embed"), self.dtype)
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        weights_TX, experts_TX = route(x_TD, w_router, c.num_experts_per_tok, c.norm_topk_prob)
         impl = resolve_impl(self.impl)
-        fn = {"ragged": experts_ragged, "tiled": experts_tiled, "dense": experts_dense}[impl]
-        y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
+        fn = {"ragged": experts_ragged, "tiled": experts_tiled, "pallas": experts_pallas,
+              "dense": experts_dense}[impl]
+        if self.mesh is not None and self.mesh.size > 1:
+            from dinfer_jax.models.expert_parallel import moe_expert_parallel
+            from dinfer_jax.sharding import batch_axes
+            y = moe_expert_parallel(x_TD, w_router, wg, wu, wd, mesh=self.mesh, token_axes=batch_axes(B, self.mesh),
+                                    top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                                    local_experts_fn=fn)
+        else:
+            weights_TX, experts_TX = route(x_TD, w_router, c.num_experts_per_tok, c.norm_topk_prob)
+            y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
         return y.reshape(B, S, D).astype(x_BSD.dtype)

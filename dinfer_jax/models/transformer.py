@@ -14,6 +14,8 @@ Param tree (shapes; L_ = layers):
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,11 @@ from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
 from dinfer_jax.models.moe import MoE
+from dinfer_jax.sharding import constrain
+
+
+ACT_AXES = ("batch", "length", "embed")
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
 class DecoderLayer(nn.Module):
@@ -30,6 +37,7 @@ class DecoderLayer(nn.Module):
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
+    mesh: Any = None  # sharding.make_mesh(...): activations pinned by logical axes, MoE expert-parallel
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS):
@@ -37,10 +45,12 @@ class DecoderLayer(nn.Module):
         a, new_kv = Attention(c, self.dtype, self.attention_impl, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
             positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
-        h = x_BSD + a
+        h = constrain(x_BSD + a, ACT_AXES, self.mesh)
         m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
-        mlp = MoE(c, self.moe_impl, self.dtype, name="mlp") if c.is_moe else MLP(c, self.dtype, name="mlp")
-        return h + mlp(m), new_kv
+        mlp = (MoE(c, self.moe_impl, self.dtype, self.mesh, name="mlp") if c.is_moe
+               else MLP(c, self.dtype, name="mlp"))
+        new_kv = tuple(constrain(t, KV_AXES, self.mesh) for t in new_kv)
+        return constrain(h + mlp(m), ACT_AXES, self.mesh), new_kv
 
 
 class Transformer(nn.Module):
@@ -59,6 +69,7 @@ class Transformer(nn.Module):
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
+    mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with sharding.param_shardings)
 
     def setup(self):
         c = self.cfg
@@ -69,7 +80,7 @@ class Transformer(nn.Module):
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast), length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.moe_impl, self.dtype, self.attention_impl)
+        )(c, self.moe_impl, self.dtype, self.attention_impl, self.mesh)
         self.final_norm = RMSNorm(c.rms_norm_eps, "embed", self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
@@ -83,6 +94,7 @@ class Transformer(nn.Module):
         if (tokens_BS is None) == (embeds_BSD is None):
             raise ValueError("Transformer: pass exactly one of tokens_BS or embeds_BSD")
         x = self.embed(tokens_BS) if embeds_BSD is None else embeds_BSD.astype(self.dtype)
+        x = constrain(x, ACT_AXES, self.mesh)
         B, S, _ = x.shape
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -95,7 +107,7 @@ class Transformer(nn.Module):
             logits = self.embed.attend(x)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), new_kv
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), self.mesh), new_kv
 
 
 class LMHead(nn.Module):
