@@ -11,7 +11,7 @@ Per device:
   3. keep the (token, slot) pairs whose expert lives on this shard, sort them by local expert,
      grouped matmul over the local experts (pairs of other shards sort last and give 0);
   4. y_TD partial sums: over the F slices ("model") and the expert shards ("expert") -> one psum,
-     or psum over "model" + psum_scatter over "expert" when step 1 gathered.
+     or psum_scatter over "expert" then psum over "model" (on 1/ep of the rows) when step 1 gathered.
 No `ragged_dot(group_offset=...)` (it fails on CPU): other shards' pairs are excluded by the sort.
 """
 from __future__ import annotations
@@ -48,10 +48,9 @@ def moe_expert_parallel(x_TD, w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, 
         mine = (local_id >= 0) & (local_id < E_local)
         y = local_experts_fn(x, jnp.where(mine, weights_TX, 0.0), jnp.where(mine, local_id, E_local),
                              w_gate, w_up, w_down)
-        if gather:
-            if tp > 1:
-                y = jax.lax.psum(y, "model")
-            return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+        if gather:  # scatter first: the "model" all-reduce then moves 1/ep of the rows
+            y = jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+            return jax.lax.psum(y, "model") if tp > 1 else y
         return jax.lax.psum(y, ("expert", "model"))
 
     fn = partial(jax.shard_map, mesh=mesh, check_vma=False,
