@@ -113,18 +113,18 @@ class Generator:
         if key not in self._programs:
             module = self.model.module
 
-            def run(params, canvas, pad, plen, active, knobs):
+            def run(params, canvas, pad, plen, active, knobs, observer_id):
                 self.compiles += 1  # runs at trace time only
-                return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs)
+                return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs, observer_id)
             self._programs[key] = jax.jit(run, donate_argnums=(1,))  # outputs keep the canvas sharding
         return self._programs[key]
 
-    def lower(self, prompts, params: SamplingParams):
+    def lower(self, prompts, params: SamplingParams, observe: bool = False):
         """The lowered program for these prompts (for inspection: HLO, while ops, callbacks)."""
-        prog, args, *_ = self._prepare(prompts, params)
+        prog, args, *_ = self._prepare(prompts, params, observe)
         return prog.lower(*args)
 
-    def _prepare(self, prompts, params: SamplingParams):
+    def _prepare(self, prompts, params, observe: bool = False, observer_id: int = 0):
         cfg = self.model.config
         if hasattr(prompts, "shape"):  # one array: (L,) is one prompt, (B, L) a batch
             arr = np.asarray(prompts)
@@ -142,7 +142,18 @@ class Generator:
         for r in rows:
             if (r == cfg.mask_token_id).any():
                 raise ValueError(f"prompt contains the mask token id {cfg.mask_token_id}")
-        spec = params.spec(cfg.mask_token_id, cfg.eos_token_id)
+        per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(rows)
+        if len(per_row) != len(rows):
+            raise ValueError(f"{len(per_row)} SamplingParams for {len(rows)} prompts (give one, or one per prompt)")
+        spec = per_row[0].spec(cfg.mask_token_id, cfg.eos_token_id)
+        for i, p in enumerate(per_row[1:], 1):
+            other = p.spec(cfg.mask_token_id, cfg.eos_token_id)
+            if other != spec:
+                diff = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(other, f.name)]
+                raise ValueError(f"prompts in one batch must share the compiled settings; prompt {i} differs in "
+                                 f"{diff} (only {', '.join(KNOBS)} may differ per prompt)")
+        if observe:
+            spec = dataclasses.replace(spec, observe=True)
         dp = self.model.data_parallel
         B = -(-_bucket_batch(len(rows)) // dp) * dp  # rows split evenly over the mesh's data axis
         gen_start = _bucket_len(max(len(r) for r in rows) + spec.head_room)
@@ -159,20 +170,35 @@ class Generator:
             pad[b], plen[b] = gen_start - len(r), len(r)
         canvas[:len(rows), gen_start:gen_start + spec.gen_length] = cfg.mask_token_id
         active = np.arange(B) < len(rows)
-        knobs = {k: np.full((B,), getattr(params, k), np.uint32 if k == "seed" else np.float32) for k in KNOBS}
+        knobs = {k: np.array([getattr(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
+                             np.uint32 if k == "seed" else np.float32) for k in KNOBS}
         prog = self._program(spec, gen_start)
         put = self.model.place_batch
-        args = (self.model.params, put(canvas), put(pad), put(plen), put(active), {k: put(v) for k, v in knobs.items()})
+        args = (self.model.params, put(canvas), put(pad), put(plen), put(active), {k: put(v) for k, v in knobs.items()},
+                np.int32(observer_id))
         return prog, args, rows, spec, gen_start
 
-    def generate(self, prompts, params: SamplingParams | None = None) -> GenerationResult:
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 observer=None) -> GenerationResult:
+        """Decode a batch. params: one SamplingParams for all prompts, or one per prompt (they must
+        share the compiled settings; KNOBS such as threshold, temperature and seed may differ).
+        observer: fn(step, gen_BG, blk_B, done_B, active_B) called on the host after every loop
+        iteration (decoding/observe.py); it selects a program variant with one callback per step."""
         params = params or SamplingParams()
-        prog, args, rows, spec, gen_start = self._prepare(prompts, params)
-        t = time.perf_counter()
-        with jax.profiler.TraceAnnotation("dinfer_generate"):
-            canvas, stats = prog(*args)
-            canvas = to_host(canvas)
-        secs = time.perf_counter() - t
+        oid = 0
+        if observer is not None:
+            from dinfer_jax.decoding import observe
+            oid = observe.register(observer)
+        try:
+            prog, args, rows, spec, gen_start = self._prepare(prompts, params, observer is not None, oid)
+            t = time.perf_counter()
+            with jax.profiler.TraceAnnotation("dinfer_generate"):
+                canvas, stats = prog(*args)
+                canvas = to_host(canvas)
+            secs = time.perf_counter() - t
+        finally:
+            if observer is not None:
+                observe.unregister(oid)
         stats = jax.tree_util.tree_map(to_host, stats)
         n = len(rows)
         if not stats["done"][:n].all():  # only with non-finite logits (e.g. a bf16 overflow)

@@ -187,3 +187,26 @@ def test_random_remasking_runs_fixed_steps(model):
     r = generate(model, PROMPTS, p)
     assert r.nfe == [16, 16] and not np.any(r.raw_ids == model.config.mask_token_id)
     assert (r.steps_per_block == 8).all()
+
+
+def test_observer_sees_every_iteration_without_changing_tokens(model):
+    """generate(observer=...) (streaming / live canvas) runs the variant with one host callback per
+    iteration; its tokens equal the callback-free program's, the last state is the final canvas,
+    and per-prompt knobs (threshold, seed) may differ inside one batch."""
+    gen = Generator(model)
+    p = dataclasses.replace(BASE, cache="dual")
+    q = dataclasses.replace(p, threshold=0.6, seed=7)
+    plain = gen.generate(PROMPTS[:2], [p, q])
+    seen = []
+    watched = gen.generate(PROMPTS[:2], [p, q], observer=lambda *a: seen.append(a))
+    assert watched.token_ids == plain.token_ids
+    assert len(seen) == max(watched.nfe)  # one call per loop iteration
+    step, gen_BG, blk_B, done_B, active_B = seen[-1]
+    assert (gen_BG[:2] == watched.raw_ids).all() and done_B[:2].all()
+    assert [s[0] for s in seen] == list(range(len(seen)))
+    masks = [int((s[1][:2] == model.config.mask_token_id).sum()) for s in seen]
+    assert masks == sorted(masks, reverse=True)  # masks only ever resolve
+    alone = [gen.generate([PROMPTS[i]], pp).token_ids[0] for i, pp in enumerate((p, q))]
+    assert alone == plain.token_ids  # per-row knobs: the same as each prompt decoded alone
+    with pytest.raises(ValueError, match="share the compiled settings.*block_length"):
+        gen.generate(PROMPTS[:2], [p, dataclasses.replace(p, block_length=4)])

@@ -49,6 +49,7 @@ class DecodeSpec:
     start_block_align: bool = False
     mask_id: int = 0
     eos_id: int = 0
+    observe: bool = False  # host callback after every iteration (streaming, live canvas); off = no host syncs
 
     def __post_init__(self):
         problems = []
@@ -113,12 +114,14 @@ def _soft_embeddings(module, params, logits_BSV):
 
 
 def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
-                  active_B, knobs: dict[str, Any]):
+                  active_B, knobs: dict[str, Any], observer_id=None):
     """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
 
     canvas_BL: int32 tokens (layout above); pad_B: left pads per row; prompt_len_B: real prompt
     tokens per row; gen_start: static index where every row's generation region begins;
     active_B: False for bucket-filler rows; knobs: per-row (B,) arrays named in KNOBS.
+    observer_id: int32 scalar naming a host observer (decoding/observe.py); used only when
+    spec.observe, which adds one host callback per iteration with the generation region.
     """
     cfg = module.cfg
     B, Lc = canvas_BL.shape
@@ -259,6 +262,9 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
             nfe_window=s["nfe_window"] + jnp.any(need_win).astype(jnp.int32),
             iters=s["iters"] + 1,
         )
+        if spec.observe:
+            from dinfer_jax.decoding.observe import emit
+            emit(observer_id, s["iters"], x[:, gen_start:gen_end], new_state["blk"], done, active)
         return {**s, **new_state}
 
     with jax.named_scope("denoise_loop"):
