@@ -219,6 +219,8 @@ class Generator:
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs)
 
 
-def generate(model, prompts: Sequence, params: SamplingParams | None = None) -> GenerationResult:
-    """One-shot helper; keep a `Generator` (or use `model.generator`) to reuse compiled programs."""
-    return model.generator.generate(prompts, params)
+def generate(model, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
+             observer=None) -> GenerationResult:
+    """Decode prompts with the model's compiled-program cache (`model.generator`); see
+    `Generator.generate` for per-prompt params and the observer."""
+    return model.generator.generate(prompts, params, observer=observer)
