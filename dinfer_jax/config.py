@@ -139,8 +139,11 @@ def family_of(hf: Mapping[str, Any]) -> str:
     return ARCHITECTURES[arch]
 
 
-def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
-    """ModelConfig from the contents of a Hugging Face config.json (either family)."""
+def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = None) -> ModelConfig:
+    """ModelConfig from the contents of a Hugging Face config.json (either family).
+
+    Special ids: config.json first, then `file_ids` (read from the folder's generation_config.json
+    and tokenizer files by `special_ids_from_files`), then the family's documented defaults."""
     family = family_of(hf)
     where = f"{hf['architectures'][0]} config"
     ids = dict(_FAMILY_DEFAULT_IDS[family])
@@ -149,6 +152,8 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
             ids[k] = int(hf[k])
         elif k in hf and k in ("pad_token_id", "eot_token_id"):
             ids[k] = None  # explicitly null in config.json
+        elif file_ids and file_ids.get(k) is not None:
+            ids[k] = int(file_ids[k])
     if family == "llada":
         if hf.get("attention_layer_norm"):
             raise ConfigError(f"{where}: attention_layer_norm=true (qk-norm over the full width) is not supported")
@@ -221,6 +226,54 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     raise ConfigError(f"unknown family {cfg.family!r}")
 
 
+MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
+    """Special token ids named by a model folder's side files: generation_config.json
+    (eos/pad/mask ids; a list of EOS ids gives the first) and tokenizer_config.json +
+    tokenizer.json (eos/pad token names looked up among the added tokens; the mask token by its
+    usual names; <|eot_id|>)."""
+    out: dict[str, int] = {}
+
+    def read(name):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    gen = read("generation_config.json")
+    for k in ("eos_token_id", "pad_token_id", "mask_token_id"):
+        v = gen.get(k)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if isinstance(v, int):
+            out.setdefault(k, v)
+    added = {t.get("content"): t.get("id") for t in read("tokenizer.json").get("added_tokens", [])
+             if isinstance(t, dict)}
+    tcfg = read("tokenizer_config.json")
+
+    def name_of(key):
+        v = tcfg.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+
+    for key, field in (("eos_token", "eos_token_id"), ("pad_token", "pad_token_id"), ("mask_token", "mask_token_id")):
+        tok = name_of(key)
+        if tok in added:
+            out.setdefault(field, added[tok])
+    for tok in MASK_TOKEN_NAMES:
+        if tok in added:
+            out.setdefault("mask_token_id", added[tok])
+            break
+    if "<|eot_id|>" in added:
+        out.setdefault("eot_token_id", added["<|eot_id|>"])
+    return out
+
+
 def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -230,7 +283,7 @@ def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
             hf = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return from_hf_dict(hf)
+    return from_hf_dict(hf, special_ids_from_files(folder))
 
 
 # ---------------------------------------------------------------------------------------------

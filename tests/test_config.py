@@ -91,3 +91,28 @@ def test_missing_and_invalid_config_file(tmp_path):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         preset("huge")
+
+
+@pytest.mark.smoke
+def test_special_ids_come_from_the_folder_files(tmp_path):
+    """config.json without special ids: generation_config.json and the tokenizer files name them;
+    config.json still wins where it has them; the family defaults fill the rest."""
+    import json
+
+    from dinfer_jax.config import load_hf_config, preset, to_hf_dict
+    hf = to_hf_dict(preset("tiny"))
+    for k in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
+        hf.pop(k, None)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+        {"id": 120, "content": "<|endoftext|>"}, {"id": 121, "content": "<|mdm_mask|>"},
+        {"id": 122, "content": "<|pad|>"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                "pad_token": {"content": "<|pad|>"}}))
+    cfg = load_hf_config(tmp_path)
+    assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id) == (121, 120, 122)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [119, 120]}))
+    assert load_hf_config(tmp_path).eos_token_id == 119
+    hf["mask_token_id"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert load_hf_config(tmp_path).mask_token_id == 5
