@@ -4,8 +4,17 @@
   dinfer-jax export DIR HF_DIR
   dinfer-jax info MODEL_DIR
   dinfer-jax logits --model DIR --prompt-ids 1,2,3 [--json]
-  dinfer-jax generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
+  dinfer-jax generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
       [--strategy S] [--threshold T] [--steps N] [--cache C] [--temperature T] [--seed S] [--json]
+      (without --model: the built-in demo model, dinfer_jax/demo_model)
+  dinfer-jax eval demo|jsonl|humaneval [--model DIR] [--data FILE] [--n N] [--strategy LIST] [--cache LIST] [--out DIR]
+  dinfer-jax train [--out DIR] [--workdir W] [--steps N] ...   (= python -m dinfer_jax.train)
+  dinfer-jax lm-eval run --model dinfer_jax --model_args pretrained=DIR --tasks T ...   (lm_eval CLI)
+  dinfer-jax serve [--model DIR] [--host H] [--port P] [--max-batch N] [--strategy S] [--threshold T] ...
+  dinfer-jax bench [--model DIR] [--batch 1,4,16] [--strategies threshold,credit] [--caches dual,none] [--json]
+  dinfer-jax profile [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) --logdir DIR [--repeats N]
+  generate / logits / serve / bench / profile also take --mesh "data=2,expert=4" and, on several hosts,
+  --coordinator HOST:PORT --num-processes N --process-id I (process 0 prints the results)
   dinfer-jax demo [--workdir DIR]
 
 Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2.
@@ -63,9 +72,10 @@ def cmd_info(a):
 
 def cmd_logits(a):
     import numpy as np
-    from dinfer_jax import load_model
-    model = load_model(a.model)
+    model = _load_model(a, a.model)
     lg = model.logits(np.asarray(a.prompt_ids))
+    if not _is_main_process():
+        return
     top = lg.argmax(-1).tolist()
     if a.json:
         print(json.dumps({"argmax": top, "max_logit": float(lg.max()), "shape": list(lg.shape)}))
@@ -83,30 +93,80 @@ def _positive(text):
     return v
 
 
+def _model_dir(a) -> str:
+    """--model, or the built-in demo model when it is omitted."""
+    if a.model is not None:
+        return a.model
+    from dinfer_jax.checkpoint import DEMO_MODEL_DIR, is_checkpoint
+    if not is_checkpoint(DEMO_MODEL_DIR):
+        raise FileNotFoundError(f"the built-in demo model is missing ({DEMO_MODEL_DIR}); pass --model, or train it: "
+                                "python -m dinfer_jax.train --out dinfer_jax/demo_model")
+    return DEMO_MODEL_DIR
+
+
+def _gen_shape(a, model_dir: str) -> tuple[int, int]:
+    """--gen-length / --block-length, defaulting to the model folder's generation_config.json
+    ("dinfer_jax" entry, as the demo model has) or 128 / 64; a default block never exceeds gen_length."""
+    from dinfer_jax.checkpoint import generation_defaults
+    d = generation_defaults(model_dir)
+    gen = a.gen_length if a.gen_length is not None else d.get("gen_length", 128)
+    block = a.block_length if a.block_length is not None else min(d.get("block_length", 64), gen)
+    return gen, block
+
+
+def _load_model(a, model_dir: str):
+    """load_model with the scale flags: multi-host init (--coordinator ...) and --mesh."""
+    from dinfer_jax import load_model, sharding
+    sharding.initialize_distributed(getattr(a, "coordinator", None), getattr(a, "num_processes", None),
+                                    getattr(a, "process_id", None))
+    mesh = sharding.make_mesh(a.mesh) if getattr(a, "mesh", None) else None
+    return load_model(model_dir, mesh=mesh)
+
+
+def _prompt_ids(a, tok, model_dir: str) -> list[int]:
+    if a.prompt is not None:
+        if tok is None:
+            raise ValueError(f"--prompt needs {os.path.join(model_dir, 'tokenizer.json')}; pass --prompt-ids instead")
+        ids = tok.encode(a.prompt)
+        if not ids:
+            raise ValueError("--prompt is empty")
+        return ids
+    return a.prompt_ids
+
+
+def _sampling_params(a, model_dir: str):
+    from dinfer_jax import SamplingParams
+    gen_length, block_length = _gen_shape(a, model_dir)
+    return SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
+                          threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
+                          cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
+                          early_stop=not a.no_early_stop)
+
+
+def _is_main_process() -> bool:
+    import jax
+    return jax.process_index() == 0
+
+
 def cmd_generate(a):
     import numpy as np
-    from dinfer_jax import SamplingParams, generate, load_model
-    if a.model is None:
-        raise ValueError("--model is required (the built-in demo model does not exist yet)")
-    model = load_model(a.model)
-    tok = None
-    tok_path = os.path.join(a.model, "tokenizer.json")
-    if a.prompt is not None:
-        if not os.path.isfile(tok_path):
-            raise ValueError(f"--prompt needs {tok_path}; pass --prompt-ids instead")
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(tok_path)
-        ids = tok.encode(a.prompt, add_special_tokens=False).ids
-    else:
-        ids = a.prompt_ids
-        if os.path.isfile(tok_path):
-            from tokenizers import Tokenizer
-            tok = Tokenizer.from_file(tok_path)
-    sp = SamplingParams(gen_length=a.gen_length, block_length=a.block_length, strategy=a.strategy,
-                        threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
-                        cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                        early_stop=not a.no_early_stop)
-    r = generate(model, [np.asarray(ids)], sp)
+    from dinfer_jax import generate
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    model_dir = _model_dir(a)
+    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    ids = _prompt_ids(a, tok, model_dir)
+    sp = _sampling_params(a, model_dir)
+    model = _load_model(a, model_dir)
+    observer = None
+    if a.show_canvas and _is_main_process():
+        from dinfer_jax.canvas_view import CanvasView
+        cfg = model.config
+        view = CanvasView(cfg.mask_token_id, {cfg.eos_token_id, cfg.eot_token_id} - {None},
+                          decode=tok.decode if tok is not None else None, stream=sys.stderr)
+        observer = view if view.enabled else None
+    r = generate(model, [np.asarray(ids)], sp, observer=observer)
+    if not _is_main_process():
+        return
     text = tok.decode(r.token_ids[0]) if tok is not None else None
     out = {"token_ids": r.token_ids[0], "text": text, "nfe": r.nfe[0], "tpf": round(r.tpf[0], 3),
            "seconds": round(r.seconds, 4)}
@@ -116,6 +176,92 @@ def cmd_generate(a):
         print(text if text is not None else " ".join(map(str, r.token_ids[0])))
         print(f"[{len(r.token_ids[0])} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, "
               f"{r.seconds:.2f}s incl. compile]", file=sys.stderr)
+
+
+def cmd_eval(a):
+    from dinfer_jax import evaluate as ev
+    from dinfer_jax import load_model
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    model_dir = _model_dir(a)
+    if a.suite == "jsonl" and not a.data:
+        raise ValueError("the jsonl suite needs --data FILE (one {\"prompt\": ..., \"answer\": ...} per line)")
+    if a.data and not os.path.isfile(a.data):
+        raise FileNotFoundError(f"--data {a.data!r} does not exist")
+    if a.suite == "jsonl":
+        ev.read_jsonl(a.data)  # report a malformed file before loading the model
+    many = a.suite == "demo"
+    strategies = ev.parse_strategies(a.strategy or ("all" if many else "threshold"))
+    caches = ev.parse_caches(a.cache or ("all" if many else "dual"))
+    model = load_model(model_dir)
+    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    gen_length, block_length = _gen_shape(a, model_dir)
+    overrides = dict(threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    say = (lambda *x: None) if a.json else (lambda *x: print(*x, file=sys.stderr, flush=True))
+
+    def progress(r):
+        say(f"  {r['strategy']:>9} / {r['cache']:<8} exact match {100 * r['accuracy']:5.1f}%  NFE {r['nfe']:.2f}  "
+            f"TPF {r['tpf']:.2f}  {r['tokens_per_s']:.0f} tok/s  (compile {r['compile_seconds']:.1f}s)")
+
+    result = {"suite": a.suite, "model": os.path.abspath(model_dir)}
+    if a.suite == "humaneval":
+        if len(strategies) != 1 or len(caches) != 1:
+            raise ValueError("the humaneval suite runs one --strategy and one --cache")
+        if a.model is None:
+            say("note: the built-in demo model was trained on toy tasks only; HumanEval with it exercises "
+                "the pipeline (pass@1 ~ 0), pass --model for a real checkpoint")
+        sp = ev.sampling_params(strategies[0], caches[0], gen_length, block_length, **overrides)
+        summary, records = ev.eval_humaneval(model, tok, sp, limit=a.limit, batch_size=a.batch_size)
+        result.update(summary)
+        text = (f"HumanEval pass@1 {100 * summary['pass@1']:.1f}% on {summary['n']} problems "
+                f"(NFE {summary['nfe']:.1f}, TPF {summary['tpf']:.2f}, {summary['truncated_prompts']} prompts truncated)")
+        preds = records
+    else:
+        if a.suite == "demo":
+            say(f"demo tasks: {a.n} fresh problems (seed {a.seed}), gen {gen_length} block {block_length}, "
+                f"{len(strategies)} strategies x {len(caches)} caches")
+            rows = ev.eval_demo(model, tok, n=a.n, seed=a.seed, strategies=strategies, caches=caches,
+                                gen_length=gen_length, block_length=block_length, batch_size=a.batch_size,
+                                overrides=overrides, progress=progress)
+            preds = None
+            result.update(n=a.n, seed=a.seed)
+        else:
+            rows, preds = ev.eval_jsonl(model, tok, a.data, strategies=strategies, caches=caches,
+                                        gen_length=gen_length, block_length=block_length,
+                                        batch_size=a.batch_size, overrides=overrides, progress=progress)
+            result.update(data=os.path.abspath(a.data))
+        result["rows"] = rows
+        text = ev.format_table(rows)
+        if a.out:
+            with open(os.path.join(a.out, "table.md"), "w") as f:
+                f.write(text + "\n")
+            if ev.plot_accuracy_vs_tpf(rows, os.path.join(a.out, "accuracy_vs_tpf.png"),
+                                       title=f"{a.suite}: exact match vs tokens per forward"):
+                result["plot"] = os.path.join(a.out, "accuracy_vs_tpf.png")
+    if a.out:
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        if preds:
+            with open(os.path.join(a.out, "predictions.jsonl"), "w") as f:
+                f.writelines(json.dumps(p) + "\n" for p in preds)
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(text)
+
+
+def cmd_lm_eval(a):
+    try:
+        from dinfer_jax.lm_eval_adapter import main as lm_eval_main
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    lm_eval_main(a.lm_eval_argv)
+
+
+def cmd_train(a):
+    from dinfer_jax import train
+    train.main(a.train_argv)
 
 
 def cmd_demo(a):
@@ -149,8 +295,129 @@ def cmd_demo(a):
         raise SystemExit("demo failed: logits differ after the round trip")
 
 
+def _int_list(text):
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy")
+CACHES = ("none", "prefix", "dual", "vicinity")
+
+
+def _add_decoding_flags(p, with_lengths: bool = True):
+    """The decoding settings (dInfer defaults for LLaDA-MoE: threshold 0.9, block 64, dual cache)."""
+    if with_lengths:
+        p.add_argument("--gen-length", type=_positive, default=None,
+                       help="tokens to generate (default: the model folder's generation_config.json, else 128)")
+        p.add_argument("--block-length", type=_positive, default=None,
+                       help="block size (default: the model folder's generation_config.json, else 64; at most gen-length)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="threshold",
+                   help="which masked tokens to decode each step (default threshold)")
+    p.add_argument("--threshold", type=float, default=0.9, help="threshold strategies: confidence tau (default 0.9)")
+    p.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
+    p.add_argument("--factor", type=float, default=1.0, help="factor strategy's f")
+    p.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length)")
+    p.add_argument("--cache", choices=CACHES, default="dual", help="KV cache policy (default dual)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (Gumbel-max)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
+    p.add_argument("--no-early-stop", action="store_true", help="keep decoding blocks after EOS")
+
+
+def _add_scale_flags(p):
+    g = p.add_argument_group("scale (device mesh, multi-host)")
+    g.add_argument("--mesh", default=None, help='device mesh, e.g. "data=2,expert=4" or "expert=4,model=2" '
+                                                '(axes data, expert, model; -1 = the remaining devices)')
+    g.add_argument("--coordinator", default=None, help="multi-host: coordinator host:port (env DINFER_COORDINATOR)")
+    g.add_argument("--num-processes", type=_positive, default=None, help="multi-host: processes (env DINFER_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, help="multi-host: this process (env DINFER_PROCESS_ID)")
+
+
+def cmd_serve(a):
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise ValueError("serve needs FastAPI and uvicorn: pip install 'dinfer-jax[serve]'") from None
+    from dinfer_jax import SamplingParams
+    from dinfer_jax.checkpoint import generation_defaults
+    from dinfer_jax.server import ServerConfig, serve
+    model_dir = _model_dir(a)
+    d = generation_defaults(model_dir)
+    block = a.block_length or d.get("block_length", 64)
+    defaults = SamplingParams(block_length=block, strategy=a.strategy, threshold=a.threshold,
+                              low_threshold=a.low_threshold, factor=a.factor, steps=a.steps, cache=a.cache,
+                              temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
+                              early_stop=not a.no_early_stop)
+    name = a.model_name or os.path.basename(os.path.normpath(model_dir))
+    cfg = ServerConfig(model_name=name, default_params=defaults,
+                       default_max_tokens=a.default_max_tokens or d.get("gen_length", 128), max_tokens=a.max_tokens,
+                       max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000)
+    model = _load_model(a, model_dir)
+    print(f"serving {name!r} on http://{a.host}:{a.port}/v1 (max batch {a.max_batch})", file=sys.stderr, flush=True)
+    serve(model_dir, a.host, a.port, cfg, model=model, log_level=a.log_level)
+
+
+def cmd_bench(a):
+    from dinfer_jax.benchmark import format_table, run_bench
+    bad = [s for s in a.strategies.split(",") if s not in STRATEGIES] + [c for c in a.caches.split(",") if c not in CACHES]
+    if bad:
+        raise ValueError(f"unknown strategy/cache {bad}; strategies {STRATEGIES}, caches {CACHES}")
+    model_dir = _model_dir(a)
+    base = _sampling_params(a, model_dir)
+    model = _load_model(a, model_dir)
+    rows = run_bench(model, a.batch, a.strategies.split(","), a.caches.split(","), a.prompt_len, base, a.repeats,
+                     progress=not a.json and _is_main_process())
+    if not _is_main_process():
+        return
+    if a.json:
+        import dataclasses
+        print(json.dumps([dataclasses.asdict(r) for r in rows]))
+    else:
+        print(f"{model_dir}: prompt {a.prompt_len} tokens, gen {base.gen_length}, block {base.block_length}, "
+              f"median of {a.repeats}")
+        print(format_table(rows))
+
+
+def cmd_profile(a):
+    import numpy as np
+    from dinfer_jax.profiling import profile_generation
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    model_dir = _model_dir(a)
+    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    ids = _prompt_ids(a, tok, model_dir)
+    sp = _sampling_params(a, model_dir)
+    model = _load_model(a, model_dir)
+    out = profile_generation(model, [np.asarray(ids)], sp, a.logdir, a.repeats)
+    if _is_main_process():
+        r = out["result"]
+        print(f"traced {a.repeats} generation(s) ({r.nfe[0]} forwards, {r.seconds:.3f}s each) into {a.logdir}")
+        for f in out["trace_files"]:
+            print(f"  {f}")
+        print(f"open it with: xprof --logdir {a.logdir}   (pip install xprof)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dinfer-jax", description="Inference for masked-diffusion LMs in JAX.")
+    p = argparse.ArgumentParser(
+        prog="dinfer-jax", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Inference for masked-diffusion language models (LLaDA, LLaDA-MoE) in JAX: the whole "
+                    "denoising schedule runs as one compiled loop.",
+        epilog="""examples:
+  dinfer-jax generate --prompt "add 123+045="               # the built-in demo model -> 0168
+  dinfer-jax convert ~/hf/LLaDA-MoE-7B-A1B-Instruct ckpt/   # Hugging Face folder -> checkpoint
+  dinfer-jax generate --model ckpt/ --prompt "Hi" --gen-length 128 --block-length 64 --threshold 0.9
+  dinfer-jax generate --model ckpt/ --prompt-ids 1,2,3 --show-canvas      # watch the masks resolve
+  dinfer-jax serve --model ckpt/ --port 8000                # OpenAI-compatible server
+  dinfer-jax bench --model ckpt/ --batch 1,4,16 --strategies threshold,credit
+  dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # then: xprof --logdir /tmp/prof
+  dinfer-jax eval demo                                      # accuracy / tokens per forward table
+
+'dinfer-jax COMMAND --help' lists a command's options.""")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="HF folder (safetensors / .bin, sharded or not, dInfer fused) -> "
                                        "dinfer-jax checkpoint")
@@ -171,27 +438,87 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--model", required=True)
     lg.add_argument("--prompt-ids", type=_parse_ids, required=True)
     lg.add_argument("--json", action="store_true")
+    _add_scale_flags(lg)
     lg.set_defaults(fn=cmd_logits)
     g = sub.add_parser("generate", help="diffusion decoding of one prompt (the whole schedule in one jitted loop)")
-    g.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder")
+    g.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
     src.add_argument("--prompt-ids", type=_parse_ids, default=None)
-    g.add_argument("--gen-length", type=_positive, default=128)
-    g.add_argument("--block-length", type=_positive, default=64)
-    g.add_argument("--strategy", choices=("fixed", "random", "threshold", "factor", "credit", "hierarchy"),
-                   default="threshold")
-    g.add_argument("--threshold", type=float, default=0.9)
-    g.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
-    g.add_argument("--factor", type=float, default=1.0, help="factor strategy's f")
-    g.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length)")
-    g.add_argument("--cache", choices=("none", "prefix", "dual", "vicinity"), default="dual")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
-    g.add_argument("--no-early-stop", action="store_true")
+    _add_decoding_flags(g)
+    g.add_argument("--show-canvas", action="store_true",
+                   help="redraw the canvas after every step on the terminal (masked positions as '░'; off when "
+                        "stderr is not a terminal)")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, nfe, tpf, seconds")
+    _add_scale_flags(g)
     g.set_defaults(fn=cmd_generate)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /stats)")
+    sv.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=_positive, default=8000)
+    sv.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the folder name)")
+    sv.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together at most")
+    sv.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 503")
+    sv.add_argument("--max-tokens", type=_positive, default=1024, help="largest max_tokens a request may ask")
+    sv.add_argument("--default-max-tokens", type=_positive, default=None,
+                    help="max_tokens when a request omits it (default: the folder's gen_length, else 128)")
+    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="wait for more requests before a batch")
+    _add_decoding_flags(sv, with_lengths=False)
+    sv.add_argument("--block-length", type=_positive, default=None, help="default block length (requests may override)")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    _add_scale_flags(sv)
+    sv.set_defaults(fn=cmd_serve)
+    bn = sub.add_parser("bench", help="generation throughput: tokens/s, forwards, tokens/forward for each "
+                                      "batch size x strategy x cache")
+    bn.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    bn.add_argument("--batch", type=_int_list, default=[1], help="comma-separated batch sizes (default 1)")
+    bn.add_argument("--strategies", default="threshold", help="comma-separated strategies (default threshold)")
+    bn.add_argument("--caches", default="dual", help="comma-separated caches (default dual)")
+    bn.add_argument("--prompt-len", type=_positive, default=32, help="random prompt length in tokens")
+    bn.add_argument("--repeats", type=_positive, default=3, help="timed runs per setting (median reported)")
+    _add_decoding_flags(bn)
+    bn.add_argument("--json", action="store_true", help="print the rows as JSON")
+    _add_scale_flags(bn)
+    bn.set_defaults(fn=cmd_bench)
+    pf = sub.add_parser("profile", help="XProf trace of a generation (open with: xprof --logdir DIR)")
+    pf.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    src = pf.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
+    src.add_argument("--prompt-ids", type=_parse_ids, default=None)
+    pf.add_argument("--logdir", required=True, help="where the trace goes (plugins/profile/<run>/*.xplane.pb)")
+    pf.add_argument("--repeats", type=_positive, default=1, help="traced generations (after one untraced warm-up)")
+    _add_decoding_flags(pf)
+    _add_scale_flags(pf)
+    pf.set_defaults(fn=cmd_profile)
+    ev = sub.add_parser("eval", help="evaluate: demo tasks (strategy x cache table + plot), a JSONL file, HumanEval")
+    ev.add_argument("suite", choices=("demo", "jsonl", "humaneval"))
+    ev.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    ev.add_argument("--data", default=None, help="jsonl suite: a file of {\"prompt\": ..., \"answer\": ...} lines")
+    ev.add_argument("--n", type=_positive, default=100, help="demo suite: fresh problems")
+    ev.add_argument("--seed", type=int, default=12345, help="demo suite: problem seed")
+    ev.add_argument("--limit", type=_positive, default=None, help="humaneval: first N problems")
+    ev.add_argument("--strategy", default=None, help="comma-separated strategies or 'all' "
+                                                    "(default: all for demo, threshold otherwise)")
+    ev.add_argument("--cache", default=None, help="comma-separated caches or 'all' (default: all for demo, dual otherwise)")
+    ev.add_argument("--gen-length", type=_positive, default=None)
+    ev.add_argument("--block-length", type=_positive, default=None)
+    ev.add_argument("--threshold", type=float, default=None, help="override tau of the threshold-family strategies")
+    ev.add_argument("--low-threshold", type=float, default=None)
+    ev.add_argument("--factor", type=float, default=None)
+    ev.add_argument("--batch-size", type=_positive, default=32)
+    ev.add_argument("--out", default=None, help="write results.json, table.md, accuracy_vs_tpf.png, predictions.jsonl")
+    ev.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    ev.set_defaults(fn=cmd_eval)
+    tr = sub.add_parser("train", help="train the demo model (same options as python -m dinfer_jax.train)",
+                        add_help=False)
+    tr.add_argument("train_argv", nargs=argparse.REMAINDER)
+    tr.set_defaults(fn=cmd_train)
+    le = sub.add_parser("lm-eval", help="lm-evaluation-harness with the dinfer_jax backend registered "
+                                        "(arguments go to lm_eval, e.g. run --model dinfer_jax --tasks ...)",
+                        add_help=False)
+    le.add_argument("lm_eval_argv", nargs=argparse.REMAINDER)
+    le.set_defaults(fn=cmd_lm_eval)
     d = sub.add_parser("demo", help="tiny random LLaDA-MoE: export, convert back, forward, compare")
     d.add_argument("--workdir", default=None)
     d.set_defaults(fn=cmd_demo)

