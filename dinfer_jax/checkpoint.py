@@ -143,8 +143,13 @@ def read_param(folder: str, path: str, sharding=None, dtype=None, manifest: dict
     spec = (manifest or read_manifest(folder))["params"][path]
     if spec["layers"] is None:
         arr = read_slab(folder, path, None, sharding)
-    elif sharding is None:
-        arr = np.stack([read_slab(folder, path, i) for i in range(spec["layers"])])
+    elif sharding is None:  # filled slab by slab: peak = the stacked array + one slab
+        first = read_slab(folder, path, 0)
+        arr = np.empty((spec["layers"],) + first.shape, first.dtype)
+        arr[0] = first
+        del first
+        for i in range(1, spec["layers"]):
+            arr[i] = read_slab(folder, path, i)
     else:
         from jax.sharding import NamedSharding, PartitionSpec
         slab_sh = (NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))

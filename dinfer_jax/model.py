@@ -120,11 +120,13 @@ def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: st
         shardings = shd.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()})
         flat = ckpt.read_params(path, dtype=dtype, shardings=shardings)
         return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh)
-    if ckpt.is_checkpoint(path):
+    if ckpt.is_checkpoint(path):  # one parameter at a time on host: peak = params + the largest one
         cfg = ckpt.read_config(path)
-        flat = ckpt.read_params(path)
+        man = ckpt.read_manifest(path)
+        flat = {p: jnp.asarray(ckpt.read_param(path, p, None, None, man), dtype=dtype) for p in man["params"]}
     else:
         from converters.hf_import import load_hf_params
-        cfg, flat = load_hf_params(path, progress=progress)
-    model = Model(cfg, unflatten({k: jnp.asarray(v, dtype=dtype) for k, v in flat.items()}), moe_impl, attention_impl)
+        cfg, host = load_hf_params(path, progress=progress)
+        flat = {k: jnp.asarray(host.pop(k), dtype=dtype) for k in list(host)}
+    model = Model(cfg, unflatten(flat), moe_impl, attention_impl)
     return model if mesh is None else model.with_mesh(mesh)
