@@ -143,6 +143,15 @@ def _sampling_params(a, model_dir: str):
                           early_stop=not a.no_early_stop)
 
 
+def _prompt_setup(a):
+    """-> (model_dir, tokenizer or None, prompt ids, SamplingParams, Model) for one-prompt commands."""
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    model_dir = _model_dir(a)
+    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    ids = _prompt_ids(a, tok, model_dir)
+    return model_dir, tok, ids, _sampling_params(a, model_dir), _load_model(a, model_dir)
+
+
 def _is_main_process() -> bool:
     import jax
     return jax.process_index() == 0
@@ -151,12 +160,7 @@ def _is_main_process() -> bool:
 def cmd_generate(a):
     import numpy as np
     from dinfer_jax import generate
-    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
-    model_dir = _model_dir(a)
-    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
-    ids = _prompt_ids(a, tok, model_dir)
-    sp = _sampling_params(a, model_dir)
-    model = _load_model(a, model_dir)
+    model_dir, tok, ids, sp, model = _prompt_setup(a)
     observer = None
     if a.show_canvas and _is_main_process():
         from dinfer_jax.canvas_view import CanvasView
@@ -387,12 +391,7 @@ def cmd_bench(a):
 def cmd_profile(a):
     import numpy as np
     from dinfer_jax.profiling import profile_generation
-    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
-    model_dir = _model_dir(a)
-    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
-    ids = _prompt_ids(a, tok, model_dir)
-    sp = _sampling_params(a, model_dir)
-    model = _load_model(a, model_dir)
+    model_dir, tok, ids, sp, model = _prompt_setup(a)
     out = profile_generation(model, [np.asarray(ids)], sp, a.logdir, a.repeats)
     if _is_main_process():
         r = out["result"]
