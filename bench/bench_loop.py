@@ -11,7 +11,6 @@ tokens per forward (as in tests/test_engine.py); tokens/s counts generated non-E
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
