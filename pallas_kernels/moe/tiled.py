@@ -12,10 +12,13 @@ import jax.numpy as jnp
 
 
 def tile_rows_for(rows: int, experts: int) -> int:
-    """Tile height: a power of two in [8, 128] near a quarter of the mean group size (padding
-    costs about E*tile/2 rows; smaller tiles cost more scan steps)."""
-    quarter = max(1, rows // max(1, 4 * experts))
-    return int(min(128, max(8, 1 << (quarter - 1).bit_length())))
+    """Tile height: the power of two in [8, 128] at or above the mean group size rows / experts.
+    Each tile re-reads its expert's weights and CPU GEMMs with few rows are inefficient, so about one
+    tile per expert is fastest although padding then adds up to ~E*tile/2 rows. Measured on 2 CPU
+    cores at 7B-A1B widths (bench/RESULTS.md): mean 24 rows -> tile 32 takes 321 ms, tile 8 514 ms;
+    mean 4 -> tile 8 167 ms, tile 32 296 ms."""
+    mean = max(1, -(-rows // max(1, experts)))
+    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
 
 
 def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int | None = None):
