@@ -99,3 +99,40 @@ def test_moe_module_paths_agree_in_model(rng):
     for impl in ("ragged", "tiled", "auto"):
         a = Model(cfg, params, impl).logits(ids)
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), impl
+
+
+def test_layers_read_stacked_experts_in_place(rng, monkeypatch):
+    """The tiled path's own layer loop (experts read from the layer stack in place) gives the
+    nn.scan loop's logits and K/V, full and cached-window forwards, and XLA no longer copies a
+    layer's experts out of the stack: compiled temp memory stays below one layer's expert bytes
+    (the nn.scan loop needs more than that for the copy)."""
+    import dinfer_jax.models.transformer as tr
+    from dinfer_jax.config import preset
+    from dinfer_jax.models import Transformer, init_params
+    cfg = preset("tiny").replace(num_layers=3, hidden_size=64, intermediate_size=128, num_experts=8)
+    params = init_params(cfg, seed=5)
+    module = Transformer(cfg, moe_impl="tiled")
+    B, L, S, ws = 2, 12, 4, 6
+    ids = jnp.asarray(rng.randint(0, cfg.vocab_size - 3, (B, L)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    km = jnp.ones((B, L), bool)
+
+    def run():  # fresh functions: traced again after the monkeypatch
+        def full(p, t):
+            return module.apply({"params": p}, tokens_BS=t, positions_BS=pos, key_mask_BL=km)
+
+        def window(p, t, kv):
+            return module.apply({"params": p}, tokens_BS=t[:, ws:ws + S], positions_BS=pos[:, ws:ws + S],
+                                key_mask_BL=km, kv=kv, window_start=ws)
+        logits, kv = jax.jit(full)(params, ids)
+        wl, wkv = jax.jit(window)(params, jnp.flip(ids, 1), kv)
+        temp = jax.jit(full).lower(params, ids).compile().memory_analysis().temp_size_in_bytes
+        return [np.asarray(a) for a in (logits, *kv, wl, *wkv)], temp
+
+    in_place, temp_in_place = run()
+    monkeypatch.setattr(tr, "reads_stacked_experts", lambda impl, mesh: False)
+    scanned, temp_scanned = run()
+    for a, b in zip(in_place, scanned):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
+    expert_bytes = sum(params["layers"]["mlp"][k][0].nbytes for k in ("gate_proj", "up_proj", "down_proj"))
+    assert temp_in_place < expert_bytes < temp_scanned, (temp_in_place, expert_bytes, temp_scanned)

@@ -82,13 +82,14 @@ def experts_ragged(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
-def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """Dropless sorted path with the tile-padded scan grouped matmul (same result as `experts_dense`)."""
-    E = w_gate_EDF.shape[0]
+def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD, layer=None):
+    """Dropless sorted path with the tile-padded scan grouped matmul (same result as `experts_dense`).
+    layer: index into layer-stacked weights (see swiglu_experts_tiled)."""
+    E = w_gate_EDF.shape[-3]
 
     def swiglu(x_sorted, flat_experts):
         group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-        return swiglu_experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD)
+        return swiglu_experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, layer=layer)
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
@@ -104,15 +105,25 @@ def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
+def reads_stacked_experts(impl: str, mesh) -> bool:
+    """Whether this expert path reads its weights from the layer-stacked params in place (see
+    MoE.__call__'s stacked_experts): the tiled path on one device."""
+    return resolve_impl(impl) == "tiled" and (mesh is None or mesh.size == 1)
+
+
 class MoE(nn.Module):
-    """Routed SwiGLU experts. x_BSD -> y_BSD. Params: router (D, E), experts (E, D, F) / (E, F, D)."""
+    """Routed SwiGLU experts. x_BSD -> y_BSD. Params: router (D, E), experts (E, D, F) / (E, F, D).
+
+    __call__(x_BSD, stacked_experts=None): stacked_experts = (layer index, {gate_proj, up_proj,
+    down_proj} stacked over layers) makes the expert matmuls read those in place instead of this
+    layer's params (the same values; only where reads_stacked_experts(impl, mesh))."""
     cfg: ModelConfig
     impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     mesh: Any = None  # a ("data", "expert", "model") Mesh: expert parallelism (models/expert_parallel.py)
 
     @nn.compact
-    def __call__(self, x_BSD):
+    def __call__(self, x_BSD, stacked_experts=None):
         c = self.cfg
         D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
         w_router = param(self, "router", (D, E), ("embed", "expert_logits"), self.dtype)
@@ -132,5 +143,9 @@ class MoE(nn.Module):
                                     local_experts_fn=fn)
         else:
             weights_TX, experts_TX = route(x_TD, w_router, c.num_experts_per_tok, c.norm_topk_prob)
-            y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
+            if stacked_experts is not None and reads_stacked_experts(self.impl, self.mesh):
+                layer, w = stacked_experts
+                y = experts_tiled(x_TD, weights_TX, experts_TX, w["gate_proj"], w["up_proj"], w["down_proj"], layer)
+            else:
+                y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
         return y.reshape(B, S, D).astype(x_BSD.dtype)

@@ -2,6 +2,11 @@
 
 Pure-functional Flax Linen: `Transformer(cfg).apply({"params": params}, ...)`. Layers are stacked
 with `nn.scan` (params carry a leading layer axis), which keeps compile time flat in depth.
+Where the MoE expert path reads layer-stacked weights in place (the tiled path on one device), the
+layers run in a `lax.scan` of their own that hands each layer the stacked expert weights and its
+index: nn.scan would slice every layer's experts out of the stack, and XLA copies such a slice
+(all E experts of the layer) before the tile loop, which took ~46% of a 7B-A1B window forward on
+CPU (bench/profile_forward.py). Same params, same values, same results.
 
 Param tree (shapes; L_ = layers):
   embed/embedding (V, D)
@@ -23,7 +28,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
-from dinfer_jax.models.moe import MoE
+from dinfer_jax.models.moe import MoE, reads_stacked_experts
 from dinfer_jax.sharding import constrain
 
 
@@ -40,17 +45,20 @@ class DecoderLayer(nn.Module):
     mesh: Any = None  # sharding.make_mesh(...): activations pinned by logical axes, MoE expert-parallel
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS):
+    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, stacked_experts=None):
+        """stacked_experts: see MoE.__call__ (MoE layers only)."""
         c = self.cfg
         a, new_kv = Attention(c, self.dtype, self.attention_impl, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
             positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
         h = constrain(x_BSD + a, ACT_AXES, self.mesh)
         m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
-        mlp = (MoE(c, self.moe_impl, self.dtype, self.mesh, name="mlp") if c.is_moe
-               else MLP(c, self.dtype, name="mlp"))
+        if c.is_moe:
+            y = MoE(c, self.moe_impl, self.dtype, self.mesh, name="mlp")(m, stacked_experts)
+        else:
+            y = MLP(c, self.dtype, name="mlp")(m)
         new_kv = tuple(constrain(t, KV_AXES, self.mesh) for t in new_kv)
-        return constrain(h + mlp(m), ACT_AXES, self.mesh), new_kv
+        return constrain(h + y, ACT_AXES, self.mesh), new_kv
 
 
 class Transformer(nn.Module):
@@ -85,6 +93,21 @@ class Transformer(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
 
+    def _layers_reading_stacked_experts(self, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS):
+        """The nn.scan of `self.layers` as a lax.scan over layer indices: each layer gets its slice of
+        the stacked params and, for its experts, the stack itself with its index (see module doc).
+        The expert slices it is also handed go unused, so XLA drops them."""
+        stacked = self.variables["params"]["layers"]
+        experts = {k: stacked["mlp"][k] for k in ("gate_proj", "up_proj", "down_proj")}
+        layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, parent=None)
+
+        def body(x, xs):
+            i, kv_i = xs
+            p_i = jax.tree_util.tree_map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), stacked)
+            return layer.apply({"params": p_i}, x, positions_BS, key_mask_BL, kv_i, window_start, kv_write_BS,
+                               (i, experts))
+        return jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers), kv))
+
     def embed_tokens(self, tokens_BS):
         """tokens_BS -> embeds_BSD (also used to build soft embeddings for iteration smoothing)."""
         return self.embed(tokens_BS)
@@ -99,7 +122,11 @@ class Transformer(nn.Module):
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         with jax.named_scope("layers"):
-            x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
+            if self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh) and not self.is_initializing():
+                x, new_kv = self._layers_reading_stacked_experts(x, positions_BS, key_mask_BL, kv, window_start,
+                                                                 kv_write_BS)
+            else:
+                x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
         if logits_window is not None:
             x = window_slice(x, as_starts(logits_window[0], B), logits_window[1])
         x = self.final_norm(x)

@@ -21,13 +21,18 @@ def tile_rows_for(rows: int, experts: int) -> int:
     return int(min(128, max(8, 1 << (mean - 1).bit_length())))
 
 
-def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int | None = None):
+def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int | None = None,
+                         layer=None):
     """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum to
     at most R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group.
     Rows past sum(group_sizes_E) belong to no group: they are never multiplied and give 0 (the
-    expert-parallel path sends the (token, expert) pairs of other shards' experts there)."""
+    expert-parallel path sends the (token, expert) pairs of other shards' experts there).
+
+    layer: a scalar index when the weights are stacked over layers ((L_, E, D, F) / (L_, E, F, D)):
+    each tile then reads w[layer, e] straight from the stack. Passing a layer's (E, D, F) slice
+    instead makes XLA copy the whole slice (every expert of the layer) before the tile loop."""
     R, D = x_RD.shape
-    E = w_gate_EDF.shape[0]
+    E = w_gate_EDF.shape[-3]
     m = tile or tile_rows_for(R, E)
     num_tiles = -(-(R + E * (m - 1)) // m)  # static upper bound on tiles over all padded groups
     sizes = group_sizes_E.astype(jnp.int32)
@@ -45,11 +50,14 @@ def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, 
 
     used_tiles = jnp.sum(padded) // m  # tiles past this hold no rows: skip their matmuls
 
+    def weight(w, e):
+        return w[e] if layer is None else w[layer, e]
+
     def compute(t):
         rows = jax.lax.dynamic_slice_in_dim(buf, t * m, m)
         e = tile_expert[t]
-        h = jax.nn.silu(rows @ w_gate_EDF[e]) * (rows @ w_up_EDF[e])
-        return h @ w_down_EFD[e]
+        h = jax.nn.silu(rows @ weight(w_gate_EDF, e)) * (rows @ weight(w_up_EDF, e))
+        return h @ weight(w_down_EFD, e)
 
     def one(_, t):
         return None, jax.lax.cond(t < used_tiles, compute, lambda t: jnp.zeros((m, D), buf.dtype), t)
