@@ -69,3 +69,16 @@ def test_compare_torch_tiny_identical_tokens(tmp_path):
     fixed, thr = rows
     assert fixed["nfe_per_prompt"] == [16, 16]  # steps = gen_length: one forward per token
     assert thr["nfe"] < fixed["nfe"]  # the LM head (x200 at this width) makes threshold unmask several per step
+
+
+def test_profile_forward_tiny(tmp_path):
+    """bench/profile_forward.py --tiny: a profiler trace of the forward is written and parsed into
+    per-op times and call counts."""
+    out = tmp_path / "prof.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_forward.py"), "--tiny", "--kind", "dual",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["forward_ms"] > 0 and len(res["ops"]) > 5
+    assert all(v["ms"] >= 0 and v["calls"] > 0 for v in res["ops"].values())
+    assert "| op | ms / forward | calls / forward | share |" in r.stdout
