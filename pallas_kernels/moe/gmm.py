@@ -204,7 +204,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, block_sizes: GmmBlockSizes | None = N
     block_sizes = block_sizes or GmmBlockSizes()
     out_dtype = jnp.dtype(lhs_MK.dtype if preferred_element_type is None else preferred_element_type)
     tm, tk, tn = validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes, out_dtype)
-    (M, K), (G, _, N) = lhs_MK.shape, rhs_GKN.shape
+    (M, K), N = lhs_MK.shape, rhs_GKN.shape[2]
     if M == 0:
         return jnp.zeros((0, N), out_dtype)
     M_pad = _round_up(M, tm)
