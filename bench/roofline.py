@@ -490,6 +490,14 @@ def tiny_configs():
     return moe, dense
 
 
+def print_table(header: list[str], rows: list[list]):
+    """A markdown table on stdout."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+
+
 def fmt(x, nd=3):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -638,22 +646,20 @@ def main(argv=None):
               + (" (for the first kind)" if len(rows) > 1 else ""))
     if parts_rows:
         print("\n### Layer-0 parts, standalone (x layers in the forward, except the LM head)\n")
-        print("| kind | part | GFLOP | impl GFLOP | MB min | floor ms | measured ms | % peak (impl) | % bw | meas/floor |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in parts_rows:
-            print(f"| {r['kind']} | {r['part']} | {fmt(r['flops'] / 1e9)} | {fmt(r['impl_flops'] / 1e9)} | "
-                  f"{fmt(r['bytes'] / 1e6)} | {fmt(r['floor_s'] * 1e3)} | {fmt(r['measured_s'] * 1e3)} | "
-                  f"{100 * r['frac_peak']:.1f} ({100 * r['frac_impl_peak']:.1f}) | {100 * r['frac_bw']:.1f} | "
-                  f"{r['measured_over_floor']:.2f} |")
+        print_table(["kind", "part", "GFLOP", "impl GFLOP", "MB min", "floor ms", "measured ms", "% peak (impl)",
+                     "% bw", "meas/floor"],
+                    [[r["kind"], r["part"], fmt(r["flops"] / 1e9), fmt(r["impl_flops"] / 1e9), fmt(r["bytes"] / 1e6),
+                      fmt(r["floor_s"] * 1e3), fmt(r["measured_s"] * 1e3),
+                      f"{100 * r['frac_peak']:.1f} ({100 * r['frac_impl_peak']:.1f})", f"{100 * r['frac_bw']:.1f}",
+                      f"{r['measured_over_floor']:.2f}"] for r in parts_rows])
         if "distinct_experts_layer0" in result:
             print(f"\ndistinct experts hit in layer 0 (random inputs): {result['distinct_experts_layer0']}")
     if checks:
         print("\n### Analytic FLOPs vs XLA cost_analysis (1 layer, all-experts MoE path, fully static)\n")
-        print("| family | kind | q / kv / logits | analytic GFLOP | XLA GFLOP | XLA - analytic |")
-        print("|---|---|---|---|---|---|")
-        for r in checks:
-            print(f"| {r['family']} | {r['kind']} | {r['q_len']} / {r['kv_len']} / {r['logits_len']} | "
-                  f"{fmt(r['analytic_flops'] / 1e9, 5)} | {fmt(r['xla_flops'] / 1e9, 5)} | {100 * r['rel_diff']:+.2f}% |")
+        print_table(["family", "kind", "q / kv / logits", "analytic GFLOP", "XLA GFLOP", "XLA - analytic"],
+                    [[r["family"], r["kind"], f"{r['q_len']} / {r['kv_len']} / {r['logits_len']}",
+                      fmt(r["analytic_flops"] / 1e9, 5), fmt(r["xla_flops"] / 1e9, 5), f"{100 * r['rel_diff']:+.2f}%"]
+                     for r in checks])
     return result
 
 

@@ -143,6 +143,14 @@ def _sampling_params(a, model_dir: str):
                           early_stop=not a.no_early_stop)
 
 
+def _add_model_and_prompt_flags(p):
+    """--model and one of --prompt / --prompt-ids (the one-prompt commands)."""
+    p.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
+    src.add_argument("--prompt-ids", type=_parse_ids, default=None)
+
+
 def _prompt_setup(a):
     """-> (model_dir, tokenizer or None, prompt ids, SamplingParams, Model) for one-prompt commands."""
     from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
@@ -440,10 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale_flags(lg)
     lg.set_defaults(fn=cmd_logits)
     g = sub.add_parser("generate", help="diffusion decoding of one prompt (the whole schedule in one jitted loop)")
-    g.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
-    src.add_argument("--prompt-ids", type=_parse_ids, default=None)
+    _add_model_and_prompt_flags(g)
     _add_decoding_flags(g)
     g.add_argument("--show-canvas", action="store_true",
                    help="redraw the canvas after every step on the terminal (masked positions as '░'; off when "
@@ -481,10 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale_flags(bn)
     bn.set_defaults(fn=cmd_bench)
     pf = sub.add_parser("profile", help="XProf trace of a generation (open with: xprof --logdir DIR)")
-    pf.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
-    src = pf.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
-    src.add_argument("--prompt-ids", type=_parse_ids, default=None)
+    _add_model_and_prompt_flags(pf)
     pf.add_argument("--logdir", required=True, help="where the trace goes (plugins/profile/<run>/*.xplane.pb)")
     pf.add_argument("--repeats", type=_positive, default=1, help="traced generations (after one untraced warm-up)")
     _add_decoding_flags(pf)
