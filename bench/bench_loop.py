@@ -43,8 +43,10 @@ def build(name):
     return Model(cfg, params), prompts, c
 
 
-def median_time(fn, repeats):
-    fn()  # compile / warm up
+def median_time(fn, repeats, warmup=1):
+    """Median wall seconds of fn() (results blocked until ready) after `warmup` untimed calls."""
+    for _ in range(warmup):  # compile / warm up
+        jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

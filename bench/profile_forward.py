@@ -17,10 +17,8 @@ import glob
 import gzip
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -30,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import roofline as rl  # noqa: E402
+from bench.bench_loop import median_time  # noqa: E402
 from dinfer_jax.config import preset  # noqa: E402
 from dinfer_jax.models import Transformer  # noqa: E402
 
@@ -75,20 +74,13 @@ def main(argv=None):
         fn, args = full, (params, canvas)
     else:
         fn, args = jax.jit(rl.forward_fn(module, (0, block, 0), 1, Lc, gs, prompt, block)), (params, canvas, kv)
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    secs = []
-    for _ in range(a.repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        secs.append(time.perf_counter() - t)
+    fwd_ms = median_time(lambda: fn(*args), a.repeats, warmup=2) * 1e3
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for _ in range(a.repeats):
             jax.block_until_ready(fn(*args))
         jax.profiler.stop_trace()
         ops = op_times(d, a.repeats)
-    fwd_ms = statistics.median(secs) * 1e3
     layer_copies = {k: v for k, v in ops.items() if k.startswith("dynamic-slice") and v[1] == cfg.num_layers}
     copy_ms = sum(v[0] for v in layer_copies.values())
     print(f"{a.kind} forward, {cfg.num_layers} layers, {dtype.__name__ if hasattr(dtype, '__name__') else dtype}: "

@@ -45,7 +45,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -55,6 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.bench_loop import median_time  # noqa: E402
 from dinfer_jax.config import ModelConfig, preset  # noqa: E402
 from dinfer_jax.engine import PROMPT_BUCKET  # noqa: E402
 
@@ -313,17 +313,6 @@ def xla_check(cfg: ModelConfig, batch: int, prompt_len: int, gen_len: int, block
 # 3. Ceilings
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def measure_matmul_peak(n: int | None = None, dtype=None, repeats: int = 5, sets: int = 3) -> dict:
     """FLOP/s of an n x n x n jnp.dot on random data (rotating over `sets` input pairs), median."""
     cpu = jax.default_backend() == "cpu"
@@ -338,7 +327,7 @@ def measure_matmul_peak(n: int | None = None, dtype=None, repeats: int = 5, sets
         a, b = mats[2 * (i[0] % sets)], mats[2 * (i[0] % sets) + 1]
         i[0] += 1
         return f(a, b)
-    secs = _median_seconds(call, repeats, warmup=2)
+    secs = median_time(call, repeats, warmup=2)
     return dict(flops_per_s=2 * n ** 3 / secs, n=n, dtype=str(jnp.dtype(dtype)), seconds=secs)
 
 
@@ -353,7 +342,7 @@ def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5) -> dict:
     def call():
         x[0] = f(x[0])
         return x[0]
-    secs = _median_seconds(call, repeats, warmup=2)
+    secs = median_time(call, repeats, warmup=2)
     return dict(bytes_per_s=2 * n * 4 / secs, nbytes=n * 4, seconds=secs)
 
 
@@ -400,14 +389,14 @@ def time_forwards(cfg, params, dtype, kinds, batch, prompt_len, gen_len, block, 
             layouts[lay] = (canvas, full, kv)
         canvas, full, kv = layouts[lay]
         if kind == "full":
-            out[kind] = _median_seconds(lambda: full(params, canvas)[0], repeats)
+            out[kind] = median_time(lambda: full(params, canvas)[0], repeats)
             continue
         js = range(gen_len // block) if kind == "prefix" else [0]
         ts = []
         for j in js:
             win = jax.jit(forward_fn(module, kind_window_args(kind, gs, Lc, block, prefix_look, after_look, j),
                                      batch, Lc, gs, prompt_len, block))
-            ts.append(_median_seconds(lambda: win(params, canvas, kv)[0], repeats))
+            ts.append(median_time(lambda: win(params, canvas, kv)[0], repeats))
         out[kind] = statistics.mean(ts)
     return out
 
@@ -434,14 +423,14 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     out = {}
     f = jax.jit(lambda p, x, kv: attn.apply({"params": p}, x, pos, km, kv=kv if cached else None,
                                             window_start=L - q if cached else None)[0])
-    out["attention block"] = _median_seconds(lambda: f(layer0["attn"], x, kvc), repeats)
+    out["attention block"] = median_time(lambda: f(layer0["attn"], x, kvc), repeats)
     qq = jax.random.normal(ks[3], (B, q, N, H), dtype)
     core = jax.jit(lambda a, b, v: attention(a, b, v, km, impl=attention_impl))
-    out["attention core"] = _median_seconds(lambda: core(qq, *kvc), repeats)
+    out["attention core"] = median_time(lambda: core(qq, *kvc), repeats)
     if c.is_moe:
         moe = MoE(c, moe_impl, dtype)
         fm = jax.jit(lambda p, x: moe.apply({"params": p}, x))
-        out["moe layer"] = _median_seconds(lambda: fm(layer0["mlp"], x), repeats)
+        out["moe layer"] = median_time(lambda: fm(layer0["mlp"], x), repeats)
         impl = resolve_impl(moe_impl)
         if impl in ("tiled", "ragged"):
             from pallas_kernels.moe import swiglu_experts_tiled
@@ -462,16 +451,16 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
                     u = jax.lax.ragged_dot(xs, p["up_proj"], gsz)
                     return jax.lax.ragged_dot(jax.nn.silu(gg) * u, p["down_proj"], gsz)
                 fe = jax.jit(fe_)
-            out["expert matmuls"] = _median_seconds(lambda: fe(xs, gsz, mp), repeats)
+            out["expert matmuls"] = median_time(lambda: fe(xs, gsz, mp), repeats)
             out["_distinct_experts_layer0"] = int(jnp.sum(gsz > 0))
     else:
         mlp = MLP(c, dtype)
         fm = jax.jit(lambda p, x: mlp.apply({"params": p}, x))
-        out["mlp layer"] = _median_seconds(lambda: fm(layer0["mlp"], x), repeats)
+        out["mlp layer"] = median_time(lambda: fm(layer0["mlp"], x), repeats)
     xg = x[:, :g] if g <= q else jax.random.normal(ks[4], (B, g, D), dtype)
     head = params["lm_head"]["kernel"] if "lm_head" in params else params["embed"]["embedding"].T
     fh = jax.jit(lambda xg, s, w: jnp.einsum("bsd,dv->bsv", rms_normalize(xg, s, c.rms_norm_eps), w).astype(jnp.float32))
-    out["lm head"] = _median_seconds(lambda: fh(xg, params["final_norm"]["scale"], head), repeats)
+    out["lm head"] = median_time(lambda: fh(xg, params["final_norm"]["scale"], head), repeats)
     return out
 
 

@@ -148,15 +148,14 @@ def main(argv=None):
             json.dump(out, f, indent=1)
     print(f"\n### End-to-end generation ({backend}, {dtype.name}; ceilings: matmul {peak / 1e12:.3f} TFLOP/s, "
           f"copy {bandwidth / 1e9:.1f} GB/s)\n")
-    print("| batch | seconds | NFE full+window | forwards/s | tokens/s | TPF/row | window fwd floor ms (FLOP / byte) "
-          "| full fwd floor ms (FLOP / byte) | gen floor ms | measured/floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        wfl, ful = r["window_fwd"], r["full_fwd"]
-        print(f"| {r['batch']} | {r['seconds']:.3f} | {r['nfe_full']}+{r['nfe_window']} | {r['forwards_per_s']:.1f} | "
-              f"{r['tokens_per_s']:.1f} | {r['tpf']:.2f} | {1e3 * wfl['floor_flops_s']:.3g} / {1e3 * wfl['floor_bytes_s']:.3g} | "
-              f"{1e3 * ful['floor_flops_s']:.3g} / {1e3 * ful['floor_bytes_s']:.3g} | {1e3 * r['gen_floor_s']:.3g} | "
-              f"{r['measured_over_floor']:.2f} |")
+    rl.print_table(["batch", "seconds", "NFE full+window", "forwards/s", "tokens/s", "TPF/row",
+                    "window fwd floor ms (FLOP / byte)", "full fwd floor ms (FLOP / byte)", "gen floor ms",
+                    "measured/floor"],
+                   [[r["batch"], f"{r['seconds']:.3f}", f"{r['nfe_full']}+{r['nfe_window']}", f"{r['forwards_per_s']:.1f}",
+                     f"{r['tokens_per_s']:.1f}", f"{r['tpf']:.2f}",
+                     f"{1e3 * r['window_fwd']['floor_flops_s']:.3g} / {1e3 * r['window_fwd']['floor_bytes_s']:.3g}",
+                     f"{1e3 * r['full_fwd']['floor_flops_s']:.3g} / {1e3 * r['full_fwd']['floor_bytes_s']:.3g}",
+                     f"{1e3 * r['gen_floor_s']:.3g}", f"{r['measured_over_floor']:.2f}"] for r in rows])
     return out
 
 
