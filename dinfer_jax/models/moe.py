@@ -115,8 +115,8 @@ class MoE(nn.Module):
     """Routed SwiGLU experts. x_BSD -> y_BSD. Params: router (D, E), experts (E, D, F) / (E, F, D).
 
     __call__(x_BSD, stacked_experts=None): stacked_experts = (layer index, {gate_proj, up_proj,
-    down_proj} stacked over layers) makes the expert matmuls read those in place instead of this
-    layer's params (the same values; only where reads_stacked_experts(impl, mesh))."""
+    down_proj} stacked over layers) makes the tiled expert matmuls read those in place instead of
+    this layer's params (the same values); callers pass it only where reads_stacked_experts(impl, mesh)."""
     cfg: ModelConfig
     impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
@@ -143,7 +143,7 @@ class MoE(nn.Module):
                                     local_experts_fn=fn)
         else:
             weights_TX, experts_TX = route(x_TD, w_router, c.num_experts_per_tok, c.norm_topk_prob)
-            if stacked_experts is not None and reads_stacked_experts(self.impl, self.mesh):
+            if stacked_experts is not None:  # the Transformer passes it only where reads_stacked_experts
                 layer, w = stacked_experts
                 y = experts_tiled(x_TD, weights_TX, experts_TX, w["gate_proj"], w["up_proj"], w["down_proj"], layer)
             else:

@@ -5,8 +5,8 @@ with `nn.scan` (params carry a leading layer axis), which keeps compile time fla
 Where the MoE expert path reads layer-stacked weights in place (the tiled path on one device), the
 layers run in a `lax.scan` of their own that hands each layer the stacked expert weights and its
 index: nn.scan would slice every layer's experts out of the stack, and XLA copies such a slice
-(all E experts of the layer) before the tile loop, which took ~46% of a 7B-A1B window forward on
-CPU (bench/profile_forward.py). Same params, same values, same results.
+(all E experts of the layer) before the tile loop, which took 49% of a 7B-A1B window forward on
+CPU (bench/profile_forward.py, bench/RESULTS.md). Same params, same values, same results.
 
 Param tree (shapes; L_ = layers):
   embed/embedding (V, D)
