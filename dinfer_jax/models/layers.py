@@ -62,18 +62,21 @@ def rotary_embedding(x_BSnH, positions_BS, theta: float, rotary_dim: int):
 class Attention(nn.Module):
     """Bidirectional multi-head attention with GQA, optional per-head q/k RMSNorm, and RoPE.
 
-    __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None)
-    -> (out_BSD, (k_BLKH, v_BLKH)).
+    __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None,
+             key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLKH, v_BLKH)).
     Without `kv`, keys/values are this call's own (L == S). With `kv` = full-length (k_BLKH, v_BLKH),
     row b's S fresh keys/values are written into a copy at [window_start_b, window_start_b + S)
     (only where kv_write_BS, if given) and the queries attend to all L.
+    block_size > 0: block-causal mask over positions_BS (queries) and key_positions_BL (keys; by
+    default positions_BS, i.e. self-attention without a cache).
     """
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # pallas_kernels.attention.IMPLS
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None):
+    def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None,
+                 key_positions_BL=None, block_size: int = 0):
         c = self.cfg
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         wq = param(self, "q_proj", (D, N, H), ("embed", "heads", "head_dim"), self.dtype)
@@ -94,7 +97,11 @@ class Attention(nn.Module):
             k = window_write(k_full, k, starts, kv_write_BS)
             v = window_write(v_full, v, starts, kv_write_BS)
         with jax.named_scope("attention_core"):
-            o_BSNH = attention(q, k, v, key_mask_BL, impl=self.attention_impl)
+            k_pos = positions_BS if key_positions_BL is None else key_positions_BL
+            if block_size and k_pos.shape[1] != k.shape[1]:
+                raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
+            o_BSNH = attention(q, k, v, key_mask_BL, q_pos_BS=positions_BS, k_pos_BL=k_pos, block_size=block_size,
+                               impl=self.attention_impl)
         return jnp.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 
