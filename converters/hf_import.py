@@ -37,6 +37,8 @@ def plan(cfg: ModelConfig, src: TensorSource) -> list[tuple[Entry, tuple[int, ..
         piece = shapes[e.path][len(e.stack):]
         want = e.hf_shape(piece)
         for _, name in e.pieces(cfg):
+            if name in expected:  # a fused tensor shared by several entries: checked once
+                continue
             expected.add(name)
             if name not in src.specs:
                 missing.append(name)

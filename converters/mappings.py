@@ -1,10 +1,13 @@
-"""One weight-name table per model family: dinfer-jax param path <-> Hugging Face tensor names.
+"""The weight-name table engine: dinfer-jax param path <-> Hugging Face tensor names.
 
-Each `Entry` says how one dinfer-jax parameter (possibly stacked over layers `{l}` and experts `{e}`)
-is assembled from per-layer/per-expert HF tensors ("pieces"). A piece is either copied as is, or is
-a torch Linear weight (out, in) that is transposed to (in, out) and reshaped to the piece's shape:
-`in_axes` says how many leading piece axes form `in` (q_proj (D, N, H): 1; o_proj (N, H, D): 2).
-The same table drives both directions (import and export).
+Each family module (dinfer_jax/families/) declares a list of `Entry`s. Each says how one dinfer-jax
+parameter (possibly stacked over layers `{l}` and experts `{e}`) is assembled from per-layer /
+per-expert HF tensors ("pieces"). A piece is either copied as is, or is a torch Linear weight
+(out, in) that is transposed to (in, out) and reshaped to the piece's shape: `in_axes` says how
+many leading piece axes form `in` (q_proj (D, N, H): 1; o_proj (N, H, D): 2). A piece may be a row
+range of a fused HF tensor (`rows`, e.g. the query rows of a fused query_key_value): several
+entries then share one HF name, and export concatenates them. The same table drives both
+directions (import and export).
 """
 from __future__ import annotations
 
@@ -23,20 +26,34 @@ class Entry:
     hf: str  # HF name template with {l} (layer) and {e} (expert) fields
     stack: tuple[str, ...] = ()  # leading stacked axes of the param: ("l",) or ("l", "e")
     in_axes: int = 0  # 0: copy; k > 0: torch Linear (out, in) with `in` = first k piece axes
+    layer_offset: int = 0  # HF layer of stack index l is l + layer_offset
+    rows: tuple[int, int] | None = None  # this piece = rows [a, b) (torch `out` axis) of the HF tensor
+    hf_rows: int = 0  # with rows: the fused HF tensor's row count
 
     def pieces(self, cfg: ModelConfig):
         """Yield (index tuple into the stacked axes, HF tensor name)."""
-        sizes = {"l": cfg.num_layers, "e": cfg.num_experts}
+        sizes = {"l": stack_layers(self.path, cfg), "e": cfg.num_experts}
         for idx in itertools.product(*(range(sizes[a]) for a in self.stack)):
-            yield idx, self.hf.format(**dict(zip(self.stack, idx)))
+            names = dict(zip(self.stack, idx))
+            if "l" in names:
+                names["l"] += self.layer_offset
+            yield idx, self.hf.format(**names)
 
     def hf_shape(self, piece_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the whole HF tensor (the fused one, for a row range)."""
         if not self.in_axes:
             return tuple(piece_shape)
         k = self.in_axes
-        return (int(np.prod(piece_shape[k:])), int(np.prod(piece_shape[:k])))
+        out = int(np.prod(piece_shape[k:]))
+        if self.rows is not None:
+            if self.rows[1] - self.rows[0] != out:
+                raise AssertionError(f"{self.path}: rows {self.rows} do not match the piece's {out} outputs")
+            out = self.hf_rows
+        return (out, int(np.prod(piece_shape[:k])))
 
     def to_ours(self, hf_arr: np.ndarray, piece_shape) -> np.ndarray:
+        if self.rows is not None:
+            hf_arr = hf_arr[self.rows[0]:self.rows[1]]
         return hf_arr.T.reshape(piece_shape) if self.in_axes else hf_arr.reshape(piece_shape)
 
     def to_hf(self, piece: np.ndarray) -> np.ndarray:
@@ -46,55 +63,33 @@ class Entry:
         return np.ascontiguousarray(piece.reshape(int(np.prod(piece.shape[:k])), -1).T)
 
 
-def _llada_moe(cfg: ModelConfig) -> list[Entry]:
-    L = "model.layers.{l}."
-    out = [
-        Entry("embed/embedding", "model.embed_tokens.weight"),
-        Entry("final_norm/scale", "model.norm.weight"),
-        Entry("layers/attn_norm/scale", L + "input_layernorm.weight", ("l",)),
-        Entry("layers/mlp_norm/scale", L + "post_attention_layernorm.weight", ("l",)),
-        Entry("layers/attn/q_proj", L + "self_attn.q_proj.weight", ("l",), 1),
-        Entry("layers/attn/k_proj", L + "self_attn.k_proj.weight", ("l",), 1),
-        Entry("layers/attn/v_proj", L + "self_attn.v_proj.weight", ("l",), 1),
-        Entry("layers/attn/o_proj", L + "self_attn.o_proj.weight", ("l",), 2),
-        Entry("layers/mlp/router", L + "mlp.gate.weight", ("l",), 1),
-        Entry("layers/mlp/gate_proj", L + "mlp.experts.{e}.gate_proj.weight", ("l", "e"), 1),
-        Entry("layers/mlp/up_proj", L + "mlp.experts.{e}.up_proj.weight", ("l", "e"), 1),
-        Entry("layers/mlp/down_proj", L + "mlp.experts.{e}.down_proj.weight", ("l", "e"), 1),
-    ]
-    if cfg.qk_norm:
-        out += [Entry("layers/attn/q_norm/scale", L + "self_attn.q_norm.weight", ("l",)),
-                Entry("layers/attn/k_norm/scale", L + "self_attn.k_norm.weight", ("l",))]
-    if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
-    return out
-
-
-def _llada(cfg: ModelConfig) -> list[Entry]:
-    B = "model.transformer.blocks.{l}."
-    out = [
-        Entry("embed/embedding", "model.transformer.wte.weight"),
-        Entry("final_norm/scale", "model.transformer.ln_f.weight"),
-        Entry("layers/attn_norm/scale", B + "attn_norm.weight", ("l",)),
-        Entry("layers/mlp_norm/scale", B + "ff_norm.weight", ("l",)),
-        Entry("layers/attn/q_proj", B + "q_proj.weight", ("l",), 1),
-        Entry("layers/attn/k_proj", B + "k_proj.weight", ("l",), 1),
-        Entry("layers/attn/v_proj", B + "v_proj.weight", ("l",), 1),
-        Entry("layers/attn/o_proj", B + "attn_out.weight", ("l",), 2),
-        Entry("layers/mlp/gate_proj", B + "ff_proj.weight", ("l",), 1),
-        Entry("layers/mlp/up_proj", B + "up_proj.weight", ("l",), 1),
-        Entry("layers/mlp/down_proj", B + "ff_out.weight", ("l",), 1),
-    ]
-    if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "model.transformer.ff_out.weight", (), 1))
-    return out
-
-
-TABLES = {"llada_moe": _llada_moe, "llada": _llada}
-
 # HF tensors that carry no learned weights and are skipped silently.
 IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.masked_bias)$")
 
 
+def stack_layers(path: str, cfg: ModelConfig) -> int:
+    """Layers in the stack a param path belongs to: `dense_layers/` (the leading dense layers of a
+    MoE model) or `layers/` (all the others)."""
+    return cfg.first_k_dense if path.startswith("dense_layers/") else cfg.num_scanned_layers
+
+
 def table(cfg: ModelConfig) -> list[Entry]:
-    return TABLES[cfg.family](cfg)
+    """The weight table of cfg's family (dinfer_jax/families/)."""
+    from dinfer_jax import families
+    return families.get(cfg.family).weights(cfg)
+
+
+def fused_groups(entries: list[Entry]) -> list[list[Entry]]:
+    """Entries grouped by the HF tensors they name (template and layer offset), in table order: a
+    group of several is one fused HF tensor (row ranges, in row order)."""
+    groups: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault((e.hf, e.layer_offset), []).append(e)
+    out = []
+    for g in groups.values():
+        if len(g) > 1:
+            g = sorted(g, key=lambda e: e.rows[0])
+            if g[0].rows[0] != 0 or any(a.rows[1] != b.rows[0] for a, b in zip(g, g[1:])) or g[-1].rows[1] != g[0].hf_rows:
+                raise AssertionError(f"fused tensor {g[0].hf}: row ranges {[e.rows for e in g]} do not tile it")
+        out.append(g)
+    return out

@@ -4,28 +4,14 @@ The model folder's own template wins: `chat_template` in tokenizer_config.json (
 list of {name, template} with a "default"), or a `chat_template.jinja` file. It is rendered with
 jinja2 in a sandbox with the variables Hugging Face templates expect (messages,
 add_generation_prompt, bos_token, eos_token, and the other special tokens of the config).
-Without one, the family's documented format (shared reference, models.md) is used:
-  llada:      <|startoftext|> then per turn <|start_header_id|>{role}<|end_header_id|>\\n\\n{content|trim}<|eot_id|>,
-              then <|start_header_id|>assistant<|end_header_id|>\\n\\n
-  llada_moe:  per turn <role>{SYSTEM|HUMAN|ASSISTANT}</role>{content}<|role_end|>, then <role>ASSISTANT</role>
-The rendered text is tokenized with add_special_tokens=False (the template already holds them).
+Without one, the family's documented format (`chat_template` and `bos_token` of its module in
+dinfer_jax/families/) is used. The rendered text is tokenized with add_special_tokens=False (the template already holds them).
 """
 from __future__ import annotations
 
 import json
 import os
 
-FAMILY_TEMPLATES = {
-    "llada": (
-        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-        "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
-    "llada_moe": (
-        "{% set names = {'system': 'SYSTEM', 'user': 'HUMAN', 'assistant': 'ASSISTANT'} %}"
-        "{% for m in messages %}<role>{{ names[m['role']] }}</role>{{ m['content'] }}<|role_end|>{% endfor %}"
-        "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"),
-}
-FAMILY_BOS = {"llada": "<|startoftext|>", "llada_moe": ""}
 ROLES = ("system", "user", "assistant")
 
 
@@ -57,10 +43,12 @@ def load_template(folder: str | None, family: str) -> tuple[str, dict]:
         with open(os.path.join(folder, "chat_template.jinja")) as f:
             tpl = f.read()
     if not tpl:
-        if family not in FAMILY_TEMPLATES:
+        from dinfer_jax import families
+        fam = {f.name: f for f in families.all_families()}.get(family)
+        if fam is None or not fam.chat_template:
             raise ChatTemplateError(f"no chat template in {folder!r} and none known for family {family!r}")
-        tpl = FAMILY_TEMPLATES[family]
-        variables["bos_token"] = variables["bos_token"] or FAMILY_BOS.get(family, "")
+        tpl = fam.chat_template
+        variables["bos_token"] = variables["bos_token"] or fam.bos_token
     return tpl, variables
 
 

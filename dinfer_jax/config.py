@@ -1,8 +1,9 @@
 """ModelConfig: one frozen description of a dLLM, read from a Hugging Face `config.json`.
 
-Both supported families (LLaDA dense, LLaDA-MoE) are described by the same fields; the layers
-read only these fields, never the family name. The family decides the checkpoint's weight names
-(see `converters/`).
+Every family is described by the same fields; the layers read only these fields, never the
+family name. What is specific to a family (its HF architecture names, how its config.json reads,
+its weight names, default special ids, chat template, presets, decoding defaults) lives in one
+module under `dinfer_jax/families/`; this file holds no family names.
 """
 from __future__ import annotations
 
@@ -16,18 +17,9 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a supported model."""
 
 
-# architecture name (config.json "architectures"[0]) -> family
-ARCHITECTURES = {
-    "LLaDAModelLM": "llada",
-    "LLaDAMoEModelLM": "llada_moe",
-    "FusedLLaDAMoEModelLM": "llada_moe",  # dInfer's fused-expert layout (converters/ reads mlp.w1/w2)
-}
-
-# Documented defaults when config.json omits the special ids (shared/reference/models.md).
-_FAMILY_DEFAULT_IDS = {
-    "llada": dict(mask_token_id=126336, eos_token_id=126081, pad_token_id=126081, eot_token_id=126348),
-    "llada_moe": dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=156892, eot_token_id=None),
-}
+ROUTERS = ("softmax", "sigmoid_group")
+ATTENTION_MASKS = ("full", "block_causal")
+SPECIAL_IDS = ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +28,15 @@ class ModelConfig:
 
     Letters (DESIGN.md): V vocab, D hidden, N query heads, K kv heads, H head dim,
     F dense ffn width (or expert ffn width when `num_experts > 0`), E experts, X top-k.
+
+    MoE stacks: the first `first_k_dense` layers have a dense SwiGLU of width
+    `dense_intermediate_size`, the others routed experts (+ `num_shared_experts` always-on experts,
+    one SwiGLU of width F * num_shared_experts). Routers: "softmax" (softmax over E, top-k,
+    optional renormalisation) or "sigmoid_group" (sigmoid scores; a learned per-expert bias added
+    for the selection only; top-k within the `topk_group` best of `n_group` groups, a group scored
+    by the sum of its two best biased scores; weights from the unbiased scores, renormalised when
+    norm_topk_prob, times routed_scaling_factor).
+    Attention: "full" (bidirectional) or "block_causal" with blocks of `block_size` positions.
     """
 
     family: str
@@ -53,12 +54,22 @@ class ModelConfig:
     num_experts: int = 0  # E; 0 -> dense SwiGLU MLP
     num_experts_per_tok: int = 0  # X
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    router: str = "softmax"  # ROUTERS
+    n_group: int = 1  # sigmoid_group: expert groups
+    topk_group: int = 1  # sigmoid_group: groups kept per token
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    num_shared_experts: int = 0  # always-on experts (one SwiGLU of width F * num_shared_experts)
+    first_k_dense: int = 0  # leading layers with a dense SwiGLU (MoE models)
+    dense_intermediate_size: int = 0  # F of those leading dense layers
+    attention_mask: str = "full"  # ATTENTION_MASKS
+    block_size: int = 0  # block_causal: positions per attention block (also the default decode block)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     mask_token_id: int = 0
-    eos_token_id: int = 0
+    eos_token_id: int | None = 0  # None: the folder names no EOS (no early stop at EOS)
     pad_token_id: int | None = None
     eot_token_id: int | None = None
+    extra_token_ids: tuple = ()  # (name, id) pairs a family declares, e.g. LLaDA2.2's edit-control tokens
 
     def __post_init__(self):
         problems = []
@@ -75,10 +86,38 @@ class ModelConfig:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                 f"[1, num_experts={self.num_experts}]")
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
+            if self.router not in ROUTERS:
+                problems.append(f"router={self.router!r} is not one of {ROUTERS}")
+            if self.router == "sigmoid_group":
+                if self.n_group <= 0 or self.num_experts % self.n_group:
+                    problems.append(f"n_group={self.n_group} must divide num_experts={self.num_experts}")
+                elif not 0 < self.topk_group <= self.n_group:
+                    problems.append(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+                elif self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                    problems.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in "
+                                    f"topk_group={self.topk_group} groups")
+                elif self.num_experts // self.n_group < 2:
+                    problems.append("sigmoid_group scores a group by its two best experts: "
+                                    "num_experts / n_group must be >= 2")
+            if not 0 <= self.first_k_dense < self.num_layers:
+                problems.append(f"first_k_dense={self.first_k_dense} must be in [0, num_layers={self.num_layers})")
+            if self.first_k_dense and self.dense_intermediate_size <= 0:
+                problems.append("first_k_dense > 0 needs dense_intermediate_size > 0")
+            if self.num_shared_experts < 0:
+                problems.append(f"num_shared_experts={self.num_shared_experts} must be >= 0")
+        elif self.first_k_dense or self.num_shared_experts:
+            problems.append("first_k_dense / num_shared_experts need num_experts > 0")
+        if self.attention_mask not in ATTENTION_MASKS:
+            problems.append(f"attention_mask={self.attention_mask!r} is not one of {ATTENTION_MASKS}")
+        elif self.attention_mask == "block_causal" and self.block_size <= 0:
+            problems.append("attention_mask='block_causal' needs block_size > 0")
+        for name in SPECIAL_IDS:
             v = getattr(self, name)
-            if (v is not None or name in ("mask_token_id", "eos_token_id")) and not 0 <= v < self.vocab_size:
+            if (v is not None or name == "mask_token_id") and not 0 <= v < self.vocab_size:
                 problems.append(f"{name}={getattr(self, name)} outside the vocabulary [0, {self.vocab_size})")
+        for name, v in self.extra_token_ids:
+            if not 0 <= v < self.vocab_size:
+                problems.append(f"{name}={v} outside the vocabulary [0, {self.vocab_size})")
         if problems:
             raise ConfigError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -90,35 +129,73 @@ class ModelConfig:
     def rotary(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    @property
+    def num_scanned_layers(self) -> int:
+        """Layers in the main scanned stack (`layers/...`): all but the leading dense ones."""
+        return self.num_layers - self.first_k_dense
+
+    @property
+    def stop_ids(self) -> frozenset:
+        """Token ids that end a generation (EOS, end-of-turn)."""
+        return frozenset(i for i in (self.eos_token_id, self.eot_token_id) if i is not None)
+
+    @property
+    def pad_id(self) -> int:
+        """The id written into left padding (never attended, never decoded)."""
+        for i in (self.pad_token_id, self.eos_token_id):
+            if i is not None:
+                return i
+        return 0
+
+    @property
+    def eos_id(self) -> int:
+        """EOS for the decoding loop; -1 (never matches) when the folder names none."""
+        return -1 if self.eos_token_id is None else self.eos_token_id
+
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    @property
-    def num_params(self) -> int:
-        """Total parameter count (embeddings and LM head included)."""
+    def _count(self, experts: int) -> int:
         D, N, K, H, F, V = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                             self.intermediate_size, self.vocab_size)
         attn = D * N * H * 2 + D * K * H * 2 + (2 * H if self.qk_norm else 0)
-        mlp = (self.num_experts * 3 * D * F + D * self.num_experts) if self.is_moe else 3 * D * F
-        per_layer = attn + mlp + 2 * D
-        return self.num_layers * per_layer + V * D * (1 if self.tie_word_embeddings else 2) + D
+        if self.is_moe:
+            router = D * self.num_experts + (self.num_experts if self.router == "sigmoid_group" else 0)
+            mlp = (experts + self.num_shared_experts) * 3 * D * F + router
+            dense = self.first_k_dense * (attn + 3 * D * self.dense_intermediate_size + 2 * D)
+            layers = self.num_scanned_layers * (attn + mlp + 2 * D) + dense
+        else:
+            layers = self.num_layers * (attn + 3 * D * F + 2 * D)
+        return layers + V * D * (1 if self.tie_word_embeddings else 2) + D
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count (embeddings and LM head included)."""
+        return self._count(self.num_experts)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token touches (top-k routed experts + shared ones + everything else)."""
+        return self._count(self.num_experts_per_tok if self.is_moe else 0)
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading a Hugging Face config.json
+# Reading a Hugging Face config.json: the family module reads its shapes; ids are resolved here.
 
 
-def _need(cfg: Mapping[str, Any], *keys: str, where: str):
+def need(cfg: Mapping[str, Any], *keys: str, where: str):
+    """The first of `keys` present (not null) in a config.json, else a ConfigError naming them."""
     for k in keys:
         if k in cfg and cfg[k] is not None:
             return cfg[k]
     raise ConfigError(f"{where}: config.json has none of the keys {list(keys)}")
 
 
-def _rope_theta(cfg: Mapping[str, Any], default: float) -> float:
+def rope_theta(cfg: Mapping[str, Any], default: float) -> float:
+    """rope_theta at top level or inside rope_parameters (newer transformers), else `default`."""
     if cfg.get("rope_theta") is not None:
         return float(cfg["rope_theta"])
     rp = cfg.get("rope_parameters") or {}
@@ -127,103 +204,67 @@ def _rope_theta(cfg: Mapping[str, Any], default: float) -> float:
     return default
 
 
-def family_of(hf: Mapping[str, Any]) -> str:
+def partial_rotary_factor(cfg: Mapping[str, Any]) -> float:
+    """partial_rotary_factor at top level or inside rope_parameters; 1.0 (full rotary) if absent."""
+    v = cfg.get("partial_rotary_factor")
+    if v is None:
+        v = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return float(v or 1.0)
+
+
+def family_of(hf: Mapping[str, Any]):
+    """The `families.Family` whose architecture names config.json's architectures[0]."""
+    from dinfer_jax import families
+    if not isinstance(hf, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object, found {type(hf).__name__}")
     archs = hf.get("architectures") or []
     if not archs:
         raise ConfigError("config.json has no 'architectures' entry; supported: "
-                          + ", ".join(sorted(ARCHITECTURES)))
-    arch = archs[0]
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"unknown architecture {arch!r} in config.json; supported: "
-                          + ", ".join(sorted(ARCHITECTURES)))
-    return ARCHITECTURES[arch]
+                          + ", ".join(sorted(families.architectures())))
+    fam = families.by_architecture(archs[0])
+    if fam is None:
+        raise ConfigError(f"unknown architecture {archs[0]!r} in config.json; supported: "
+                          + ", ".join(sorted(families.architectures())))
+    return fam
 
 
-def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = None) -> ModelConfig:
-    """ModelConfig from the contents of a Hugging Face config.json (either family).
-
-    Special ids: config.json first, then `file_ids` (read from the folder's generation_config.json
-    and tokenizer files by `special_ids_from_files`), then the family's documented defaults."""
-    family = family_of(hf)
-    where = f"{hf['architectures'][0]} config"
-    ids = dict(_FAMILY_DEFAULT_IDS[family])
-    for k in ids:
+def resolve_special_ids(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None, defaults: Mapping[str, Any],
+                        vocab_size: int, where: str) -> dict:
+    """Special ids: config.json first, then `file_ids` (generation_config.json / tokenizer files),
+    then the family's documented defaults, which are applied only when they fit the vocabulary
+    (a small checkpoint of a known format has its own ids). Only a missing mask id is an error."""
+    ids = {}
+    for k in SPECIAL_IDS:
         if hf.get(k) is not None:
             ids[k] = int(hf[k])
         elif k in hf and k in ("pad_token_id", "eot_token_id"):
             ids[k] = None  # explicitly null in config.json
         elif file_ids and file_ids.get(k) is not None:
             ids[k] = int(file_ids[k])
-    if family == "llada":
-        if hf.get("attention_layer_norm"):
-            raise ConfigError(f"{where}: attention_layer_norm=true (qk-norm over the full width) is not supported")
-        if hf.get("alibi"):
-            raise ConfigError(f"{where}: alibi=true is not supported")
-        if hf.get("include_bias") or hf.get("include_qkv_bias"):
-            raise ConfigError(f"{where}: biases (include_bias / include_qkv_bias) are not supported")
-        D = int(_need(hf, "d_model", where=where))
-        N = int(_need(hf, "n_heads", where=where))
-        K = int(hf.get("n_kv_heads") or N)
-        F = hf.get("mlp_hidden_size") or int(hf.get("mlp_ratio", 4)) * D
-        V = int(hf.get("embedding_size") or _need(hf, "vocab_size", where=where))
-        return ModelConfig(
-            family=family, vocab_size=V, hidden_size=D, num_layers=int(_need(hf, "n_layers", where=where)),
-            num_heads=N, num_kv_heads=K, head_dim=D // N, intermediate_size=int(F),
-            rope_theta=_rope_theta(hf, 10000.0), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(hf.get("weight_tying", False)),
-            max_position_embeddings=int(hf.get("max_sequence_length", 4096)), **ids)
-    # llada_moe
-    if hf.get("moe_router_enable_expert_bias"):
-        raise ConfigError(f"{where}: moe_router_enable_expert_bias=true is not supported yet")
-    if hf.get("shared_expert_intermediate_size"):
-        raise ConfigError(f"{where}: shared experts are not supported yet")
-    freq = hf.get("moe_layer_freq")
-    if freq is not None and not all(int(f) == 1 for f in (freq if isinstance(freq, list) else [freq])):
-        raise ConfigError(f"{where}: moe_layer_freq={freq}: only all-MoE layer stacks are supported")
-    D = int(_need(hf, "hidden_size", where=where))
-    N = int(_need(hf, "num_attention_heads", where=where))
-    H = int(hf.get("head_dim") or D // N)
-    prf = float(hf.get("partial_rotary_factor") or 1.0)
-    rot = int(H * prf)
-    return ModelConfig(
-        family=family, vocab_size=int(_need(hf, "vocab_size", where=where)), hidden_size=D,
-        num_layers=int(_need(hf, "num_hidden_layers", where=where)), num_heads=N,
-        num_kv_heads=int(hf.get("num_key_value_heads") or N), head_dim=H,
-        intermediate_size=int(_need(hf, "expert_intermediate_size", "moe_intermediate_size", where=where)),
-        rope_theta=_rope_theta(hf, 50000.0), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rotary_dim=None if rot == H else rot, qk_norm=bool(hf.get("qk_layernorm", True)),
-        num_experts=int(_need(hf, "num_experts", where=where)),
-        num_experts_per_tok=int(_need(hf, "num_experts_per_tok", where=where)),
-        # The reference modeling code hard-codes norm_topk_prob=False; honour an explicit true.
-        norm_topk_prob=bool(hf.get("norm_topk_prob") or False),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)), **ids)
+        elif defaults.get(k) is not None and 0 <= defaults[k] < vocab_size:
+            ids[k] = int(defaults[k])
+        else:
+            ids[k] = None
+    if ids["mask_token_id"] is None:
+        raise ConfigError(f"{where}: no mask token id: add \"mask_token_id\" to config.json or "
+                          f"generation_config.json, or name the mask token in tokenizer.json's added_tokens "
+                          f"(one of {', '.join(MASK_TOKEN_NAMES)})")
+    return ids
+
+
+def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = None) -> ModelConfig:
+    """ModelConfig from the contents of a Hugging Face config.json (any registered family).
+
+    Special ids: see `resolve_special_ids` (`file_ids` come from `special_ids_from_files`)."""
+    fam = family_of(hf)
+    where = f"{hf['architectures'][0]} config"
+    return fam.read_config(hf, lambda vocab: resolve_special_ids(hf, file_ids, fam.default_ids, vocab, where), where)
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict:
     """A config.json for `cfg` in its family's Hugging Face format (used by export and tests)."""
-    common = dict(mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id,
-                  pad_token_id=cfg.pad_token_id, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)
-    if cfg.family == "llada":
-        return dict(architectures=["LLaDAModelLM"], model_type="llada", d_model=cfg.hidden_size,
-                    n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads,
-                    mlp_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                    embedding_size=cfg.vocab_size, weight_tying=cfg.tie_word_embeddings,
-                    max_sequence_length=cfg.max_position_embeddings, rope=True, block_type="llama",
-                    activation_type="silu", layer_norm_type="rms", attention_layer_norm=False,
-                    include_bias=False, eot_token_id=cfg.eot_token_id, **common)
-    if cfg.family == "llada_moe":
-        return dict(architectures=["LLaDAMoEModelLM"], model_type="llada", hidden_size=cfg.hidden_size,
-                    num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                    num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    expert_intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
-                    num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                    qk_layernorm=cfg.qk_norm, partial_rotary_factor=cfg.rotary / cfg.head_dim,
-                    vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                    max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
-                    moe_layer_freq=[1] * cfg.num_layers, moe_router_score_function="softmax",
-                    moe_router_enable_expert_bias=False, attention_bias=False, **common)
-    raise ConfigError(f"unknown family {cfg.family!r}")
+    from dinfer_jax import families
+    return families.get(cfg.family).write_config(cfg)
 
 
 MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]")
@@ -287,32 +328,17 @@ def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets
+# Presets: each family module declares its own
 
-PRESETS: dict[str, ModelConfig] = {
-    # A few-hundred-kB LLaDA-MoE-shaped model for tests and demos (8 experts, top-2, GQA 4/2).
-    "tiny": ModelConfig(
-        family="llada_moe", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, intermediate_size=32, rope_theta=50000.0, qk_norm=True, num_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=512, mask_token_id=127, eos_token_id=126,
-        pad_token_id=126),
-    "tiny-dense": ModelConfig(
-        family="llada", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
-        head_dim=16, intermediate_size=128, rope_theta=500000.0, max_position_embeddings=512,
-        mask_token_id=127, eos_token_id=126, pad_token_id=126),
-    "llada-8b": ModelConfig(
-        family="llada", vocab_size=126464, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
-        head_dim=128, intermediate_size=12288, rope_theta=500000.0, max_position_embeddings=4096,
-        **_FAMILY_DEFAULT_IDS["llada"]),
-    "llada-moe-7b-a1b": ModelConfig(
-        family="llada_moe", vocab_size=157184, hidden_size=2048, num_layers=16, num_heads=16,
-        num_kv_heads=16, head_dim=128, intermediate_size=1024, rope_theta=50000.0, qk_norm=True,
-        num_experts=64, num_experts_per_tok=8, max_position_embeddings=8192,
-        **_FAMILY_DEFAULT_IDS["llada_moe"]),
-}
+
+def presets() -> dict[str, ModelConfig]:
+    """Every family's presets by name."""
+    from dinfer_jax import families
+    return {name: cfg for fam in families.all_families() for name, cfg in fam.presets.items()}
 
 
 def preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    table = presets()
+    if name not in table:
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(table)}")
+    return table[name]

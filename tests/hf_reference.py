@@ -169,3 +169,91 @@ def bidirectional_logits(model, ids: np.ndarray, key_mask: np.ndarray | None = N
 def causal_logits(model, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+# ------------------------------------------------------------------------------------------- LLaDA2
+# LLaDA2.x  <->  Glm4MoeForCausalLM: same block (pre-norm, per-head q/k RMSNorm before partial NeoX
+# RoPE on the first head_dim * partial_rotary_factor dims, GQA), same leading dense layers
+# (first_k_dense_replace), same router (fp32 sigmoid scores, e_score_correction_bias for the
+# selection only, group-limited top-k on the sum of each group's two best biased scores, -inf for
+# excluded groups, weights from unbiased scores renormalised + 1e-20, times routed_scaling_factor),
+# same shared experts (one SwiGLU of width moe_intermediate_size * n_shared_experts, unweighted).
+# Bridged differences (each checked by tests/test_llada2.py):
+#   - names: embed_tokens -> word_embeddings, self_attn.o_proj -> attention.dense, q/k_norm ->
+#     attention.query/key_layernorm, gate.e_score_correction_bias -> gate.expert_bias;
+#   - q_proj/k_proj/v_proj -> one fused attention.query_key_value, rows [q heads | k heads | v heads];
+#   - transformers' fused 3-D experts (gate_up_proj (E, 2F, D), down_proj (E, D, F)) -> per-expert;
+#   - config keys: n_routed_experts / n_shared_experts -> num_experts / num_shared_experts;
+#   - attention: Glm4Moe is causal; the block-causal mask is imposed as an explicit 4-D additive mask.
+
+
+def glm4_moe_reference(cfg: ModelConfig, seed: int = 0, bias_std: float = 0.05):
+    """A transformers Glm4MoeForCausalLM with cfg's shapes, random weights and a random expert bias."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    hf = Glm4MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.dense_intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, moe_intermediate_size=cfg.intermediate_size, n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, n_shared_experts=cfg.num_shared_experts, n_group=cfg.n_group,
+        topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+        first_k_dense_replace=cfg.first_k_dense, rms_norm_eps=cfg.rms_norm_eps, use_qk_norm=cfg.qk_norm,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.rotary / cfg.head_dim},
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False, attention_bias=False,
+        attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(hf).eval()
+    _randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * bias_std)
+    return model
+
+
+def llada2_state_dict(model, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Glm4Moe state dict -> LLaDA2MoeModelLM HF names (fused query_key_value, per-expert tensors)."""
+    sd = model.state_dict()
+    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"].clone(),
+           "model.norm.weight": sd["model.norm.weight"].clone(), "lm_head.weight": sd["lm_head.weight"].clone()}
+    for l in range(cfg.num_layers):
+        s, d = f"model.layers.{l}.", f"model.layers.{l}."
+        out[d + "attention.query_key_value.weight"] = torch.cat(
+            [sd[s + f"self_attn.{p}_proj.weight"] for p in "qkv"], 0).clone()
+        out[d + "attention.dense.weight"] = sd[s + "self_attn.o_proj.weight"].clone()
+        if cfg.qk_norm:
+            out[d + "attention.query_layernorm.weight"] = sd[s + "self_attn.q_norm.weight"].clone()
+            out[d + "attention.key_layernorm.weight"] = sd[s + "self_attn.k_norm.weight"].clone()
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[d + f"{n}.weight"] = sd[s + f"{n}.weight"].clone()
+        if l < cfg.first_k_dense:
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                out[d + f"mlp.{p}.weight"] = sd[s + f"mlp.{p}.weight"].clone()
+            continue
+        out[d + "mlp.gate.weight"] = sd[s + "mlp.gate.weight"].clone()
+        out[d + "mlp.gate.expert_bias"] = sd[s + "mlp.gate.e_score_correction_bias"].clone()
+        gu, dn = sd[s + "mlp.experts.gate_up_proj"], sd[s + "mlp.experts.down_proj"]
+        F = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            out[d + f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :F].clone()
+            out[d + f"mlp.experts.{e}.up_proj.weight"] = gu[e, F:].clone()
+            out[d + f"mlp.experts.{e}.down_proj.weight"] = dn[e].clone()
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            out[d + f"mlp.shared_experts.{p}.weight"] = sd[s + f"mlp.shared_experts.{p}.weight"].clone()
+    return out
+
+
+def block_causal_logits(model, ids: np.ndarray, block: int, key_mask: np.ndarray | None = None,
+                        positions: np.ndarray | None = None) -> np.ndarray:
+    """Reference logits under the block-causal mask (key block <= query block, over `positions`,
+    default arange), as an explicit additive 4-D mask; padded keys get -1e30."""
+    ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    B, L = ids_t.shape
+    pos = torch.as_tensor(np.broadcast_to(np.arange(L), (B, L)) if positions is None else np.asarray(positions))
+    allowed = (pos[:, None, :] // block) <= (pos[:, :, None] // block)  # (B, Lq, Lk)
+    if key_mask is not None:
+        allowed = allowed & torch.as_tensor(np.asarray(key_mask, bool))[:, None, :]
+    add = torch.zeros(B, 1, L, L, dtype=torch.float32).masked_fill(~allowed[:, None], -1e30)
+    with torch.no_grad():
+        return model(input_ids=ids_t, attention_mask=add, position_ids=pos.long()).logits.float().numpy()

@@ -285,7 +285,7 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
         with jax.named_scope("forward_window"):
             logits, _ = fwd(tokens=tokens, soft=soft_w, positions_BS=window_slice(positions_BL, win_start, win_size),
                             key_mask_BL=key_mask_BL, kv=kv, window_start=win_start, kv_write_BS=write,
-                            logits_window=lw)
+                            logits_window=lw, key_positions_BL=positions_BL)
         soft_new = None
         if spec.smoothing:
             soft_new = _soft_embeddings(module, params, logits)

@@ -7,7 +7,7 @@ from sharding.batch_axes: "data", plus "expert" when the batch divides).
 Per device:
   1. tokens split over "expert" are all-gathered over it (every expert shard must see every token
      of its data group); tokens replicated over "expert" are already complete;
-  2. route all of them in fp32 (same result on every shard);
+  2. route all of them in fp32 (same result on every shard; the router params are replicated);
   3. keep the (token, slot) pairs whose expert lives on this shard, sort them by local expert,
      grouped matmul over the local experts (pairs of other shards sort last and give 0);
   4. y_TD partial sums: over the F slices ("model") and the expert shards ("expert") -> one psum,
@@ -23,15 +23,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-def moe_expert_parallel(x_TD, w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, token_axes: tuple,
-                        top_k: int, norm_topk_prob: bool, local_experts_fn):
+def moe_expert_parallel(x_TD, router_params, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, token_axes: tuple,
+                        route_fn, local_experts_fn):
     """x_TD (T split over token_axes) -> y_TD, same split.
+
+    route_fn(x_TD, router_params) -> (weights_TX, experts_TX) is moe.route for the model's router;
+    router_params (a pytree: router weight, expert bias) is replicated on every device.
 
     local_experts_fn(x_TD, weights_TX, experts_TX, w_gate, w_up, w_down) is one of moe.py's
     single-device expert paths; it is given local expert ids, with the id E_local (= no group)
     and weight 0 for slots routed to other shards.
     """
-    from dinfer_jax.models.moe import route
     E = w_gate_EDF.shape[0]
     ep, tp = mesh.shape["expert"], mesh.shape["model"]
     if E % ep:
@@ -40,10 +42,10 @@ def moe_expert_parallel(x_TD, w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, 
     gather = "expert" in token_axes
     tok = P(token_axes if token_axes else None, None)
 
-    def local(x, w_router, w_gate, w_up, w_down):
+    def local(x, rp, w_gate, w_up, w_down):
         if gather:
             x = jax.lax.all_gather(x, "expert", axis=0, tiled=True)
-        weights_TX, experts_TX = route(x, w_router, top_k, norm_topk_prob)
+        weights_TX, experts_TX = route_fn(x, rp)
         local_id = experts_TX - jax.lax.axis_index("expert") * E_local
         mine = (local_id >= 0) & (local_id < E_local)
         y = local_experts_fn(x, jnp.where(mine, weights_TX, 0.0), jnp.where(mine, local_id, E_local),
@@ -56,4 +58,4 @@ def moe_expert_parallel(x_TD, w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, 
     fn = partial(jax.shard_map, mesh=mesh, check_vma=False,
                  in_specs=(tok, P(), P("expert", None, "model"), P("expert", None, "model"), P("expert", "model", None)),
                  out_specs=tok)(local)
-    return fn(x_TD, w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return fn(x_TD, router_params, w_gate_EDF, w_up_EDF, w_down_EFD)

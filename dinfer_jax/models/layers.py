@@ -106,13 +106,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU: down(silu(x @ gate) * (x @ up)). x_BSD -> y_BSD."""
+    """Dense SwiGLU: down(silu(x @ gate) * (x @ up)). x_BSD -> y_BSD. width: F (default
+    cfg.intermediate_size; the leading dense layers of a MoE model and shared experts set it)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    width: int | None = None
 
     @nn.compact
     def __call__(self, x_BSD):
-        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
+        D, F = self.cfg.hidden_size, self.width or self.cfg.intermediate_size
         wg = param(self, "gate_proj", (D, F), ("embed", "mlp"), self.dtype)
         wu = param(self, "up_proj", (D, F), ("embed", "mlp"), self.dtype)
         wd = param(self, "down_proj", (F, D), ("mlp", "embed"), self.dtype)

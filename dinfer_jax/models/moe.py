@@ -1,4 +1,12 @@
-"""Mixture of experts: fp32 softmax router, top-k, SwiGLU experts.
+"""Mixture of experts: a router (fp32), SwiGLU experts, optional shared (always-on) experts.
+
+Routers (ModelConfig.router), both computed in fp32 from logits x_TD @ W_DE:
+- "softmax":       softmax over E, top-k, optional renormalisation (LLaDA-MoE, Qwen3-MoE).
+- "sigmoid_group": sigmoid scores s; selection on s + expert_bias (the bias only selects);
+                   group-limited: E split into n_group groups, a group scored by the sum of its
+                   two best biased scores, only the topk_group best groups eligible; weights from
+                   the UNBIASED s of the chosen experts, renormalised (norm_topk_prob), times
+                   routed_scaling_factor (LLaDA2.x, DeepSeek-V3 / GLM-4.5 style).
 
 Expert paths that must agree (tests/test_moe.py checks each against a per-expert loop):
 - "dense":  every token through every expert (einsum over E), weights zero outside the top-k.
@@ -21,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.models.layers import param
+from dinfer_jax.models.layers import MLP, param
 from pallas_kernels.moe import swiglu_experts_gmm, swiglu_experts_tiled
 
 MOE_IMPLS = ("auto", "ragged", "tiled", "pallas", "dense")
@@ -35,18 +43,57 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def route(x_TD, w_router_DE, top_k: int, norm_topk_prob: bool):
-    """Router: softmax over all E experts in fp32, then top-k (no renormalisation unless asked).
+def router_logits(x_TD, w_router_DE):
+    """fp32 logits_TE = x_TD @ w_router_DE."""
+    return jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
-    Returns (weights_TX fp32, experts_TX int32).
-    """
-    logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), w_router_DE.astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)
+
+def route_softmax(logits_TE, top_k: int, norm_topk_prob: bool):
+    """Softmax over all E experts, then top-k (no renormalisation unless asked).
+    Returns (weights_TX fp32, experts_TX int32)."""
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     weights_TX, experts_TX = jax.lax.top_k(probs_TE, top_k)
     if norm_topk_prob:
         weights_TX = weights_TX / jnp.sum(weights_TX, axis=-1, keepdims=True)
     return weights_TX, experts_TX.astype(jnp.int32)
+
+
+def route_sigmoid_group(logits_TE, bias_E, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                        scaling: float):
+    """Sigmoid group-limited top-k (module doc). Returns (weights_TX fp32, experts_TX int32).
+
+    Excluded groups' experts get -inf before the final top-k, so they are never chosen (even when
+    biased scores are negative)."""
+    T, E = logits_TE.shape
+    s_TE = jax.nn.sigmoid(logits_TE)
+    r_TE = s_TE + bias_E.astype(jnp.float32)[None, :]
+    r_TGe = r_TE.reshape(T, n_group, E // n_group)
+    group_score_TG = jnp.sum(jax.lax.top_k(r_TGe, 2)[0], axis=-1)
+    _, groups_TY = jax.lax.top_k(group_score_TG, topk_group)
+    keep_TG = jnp.any(jax.nn.one_hot(groups_TY, n_group, dtype=jnp.bool_), axis=1)
+    keep_TE = jnp.repeat(keep_TG, E // n_group, axis=1)
+    _, experts_TX = jax.lax.top_k(jnp.where(keep_TE, r_TE, -jnp.inf), top_k)
+    weights_TX = jnp.take_along_axis(s_TE, experts_TX, axis=1)
+    if norm_topk_prob:
+        weights_TX = weights_TX / (jnp.sum(weights_TX, axis=-1, keepdims=True) + 1e-20)
+    return weights_TX * scaling, experts_TX.astype(jnp.int32)
+
+
+def route(x_TD, w_router_DE, top_k: int, norm_topk_prob: bool):
+    """The softmax router on x_TD: (weights_TX fp32, experts_TX int32)."""
+    return route_softmax(router_logits(x_TD, w_router_DE), top_k, norm_topk_prob)
+
+
+def route_model(x_TD, router_params: dict, cfg: ModelConfig):
+    """cfg's router on x_TD. router_params: {"router": W_DE[, "router_bias": b_E]}.
+    Returns (weights_TX fp32, experts_TX int32)."""
+    logits_TE = router_logits(x_TD, router_params["router"])
+    if cfg.router == "sigmoid_group":
+        return route_sigmoid_group(logits_TE, router_params["router_bias"], cfg.num_experts_per_tok, cfg.n_group,
+                                   cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    weights_TX, experts_TX = route_softmax(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return weights_TX * cfg.routed_scaling_factor if cfg.routed_scaling_factor != 1.0 else weights_TX, experts_TX
 
 
 def experts_dense(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
@@ -112,7 +159,9 @@ def reads_stacked_experts(impl: str, mesh) -> bool:
 
 
 class MoE(nn.Module):
-    """Routed SwiGLU experts. x_BSD -> y_BSD. Params: router (D, E), experts (E, D, F) / (E, F, D).
+    """Routed SwiGLU experts (+ shared experts). x_BSD -> y_BSD. Params: router (D, E),
+    router_bias (E) (sigmoid_group only), experts (E, D, F) / (E, F, D), and shared/{gate,up,down}_proj
+    (D, Fs) / (Fs, D) with Fs = F * num_shared_experts when num_shared_experts > 0.
 
     __call__(x_BSD, stacked_experts=None): stacked_experts = (layer index, {gate_proj, up_proj,
     down_proj} stacked over layers) makes the tiled expert matmuls read those in place instead of
@@ -126,7 +175,10 @@ class MoE(nn.Module):
     def __call__(self, x_BSD, stacked_experts=None):
         c = self.cfg
         D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
-        w_router = param(self, "router", (D, E), ("embed", "expert_logits"), self.dtype)
+        rp = {"router": param(self, "router", (D, E), ("embed", "expert_logits"), self.dtype)}
+        if c.router == "sigmoid_group":  # loaded from the checkpoint; the init value only matters in tests
+            rp["router_bias"] = param(self, "router_bias", (E,), ("expert_logits",), self.dtype,
+                                      nn.initializers.normal(0.02))
         wg = param(self, "gate_proj", (E, D, F), ("expert", "embed", "mlp"), self.dtype)
         wu = param(self, "up_proj", (E, D, F), ("expert", "embed", "mlp"), self.dtype)
         wd = param(self, "down_proj", (E, F, D), ("expert", "mlp", "embed"), self.dtype)
@@ -138,14 +190,16 @@ class MoE(nn.Module):
         if self.mesh is not None and self.mesh.size > 1:
             from dinfer_jax.models.expert_parallel import moe_expert_parallel
             from dinfer_jax.sharding import batch_axes
-            y = moe_expert_parallel(x_TD, w_router, wg, wu, wd, mesh=self.mesh, token_axes=batch_axes(B, self.mesh),
-                                    top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-                                    local_experts_fn=fn)
+            y = moe_expert_parallel(x_TD, rp, wg, wu, wd, mesh=self.mesh, token_axes=batch_axes(B, self.mesh),
+                                    route_fn=lambda x, p: route_model(x, p, c), local_experts_fn=fn)
         else:
-            weights_TX, experts_TX = route(x_TD, w_router, c.num_experts_per_tok, c.norm_topk_prob)
+            weights_TX, experts_TX = route_model(x_TD, rp, c)
             if stacked_experts is not None:  # the Transformer passes it only where reads_stacked_experts
                 layer, w = stacked_experts
                 y = experts_tiled(x_TD, weights_TX, experts_TX, w["gate_proj"], w["up_proj"], w["down_proj"], layer)
             else:
                 y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
-        return y.reshape(B, S, D).astype(x_BSD.dtype)
+        y = y.reshape(B, S, D).astype(x_BSD.dtype)
+        if c.num_shared_experts:
+            y = y + MLP(c, self.dtype, F * c.num_shared_experts, name="shared")(x_BSD)
+        return y

@@ -1,4 +1,8 @@
-"""The bidirectional decoder stack shared by LLaDA (dense) and LLaDA-MoE.
+"""The decoder stack shared by every family (LLaDA dense, LLaDA-MoE, LLaDA2.x).
+
+Attention is full bidirectional or block-causal (cfg.attention_mask; block size
+`attention_block`, default cfg.block_size). MoE models may lead with `first_k_dense` dense-FFN
+layers: those form a second, separately scanned stack `dense_layers` that runs first.
 
 Pure-functional Flax Linen: `Transformer(cfg).apply({"params": params}, ...)`. Layers are stacked
 with `nn.scan` (params carry a leading layer axis), which keeps compile time flat in depth.
@@ -15,6 +19,9 @@ Param tree (shapes; L_ = layers):
   layers/attn/{q,k}_norm/scale (L_, H)     (qk_norm only)
   layers/mlp/{gate,up}_proj (L_, D, F), down_proj (L_, F, D)               (dense)
   layers/mlp/router (L_, D, E), {gate,up}_proj (L_, E, D, F), down_proj (L_, E, F, D)   (MoE)
+  layers/mlp/router_bias (L_, E)   (sigmoid_group router)
+  layers/mlp/shared/{gate,up}_proj (L_, D, Fs), down_proj (L_, Fs, D)   (shared experts)
+  dense_layers/...  (first_k_dense, ...) like layers/, with a dense mlp of dense_intermediate_size
   final_norm/scale (D)    lm_head/kernel (D, V)   (absent when tie_word_embeddings)
 """
 from __future__ import annotations
@@ -37,23 +44,30 @@ KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)). Scanned over layers."""
+    """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)). Scanned over layers.
+    The mlp is the MoE in a MoE model's main stack, else a dense SwiGLU (`dense_ffn`: the leading
+    dense layers of a MoE model, width cfg.dense_intermediate_size)."""
     cfg: ModelConfig
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
     mesh: Any = None  # sharding.make_mesh(...): activations pinned by logical axes, MoE expert-parallel
+    block_size: int = 0  # > 0: block-causal attention
+    dense_ffn: bool = False
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, stacked_experts=None):
+    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL=None,
+                 stacked_experts=None):
         """stacked_experts: see MoE.__call__ (MoE layers only)."""
         c = self.cfg
         a, new_kv = Attention(c, self.dtype, self.attention_impl, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
-            positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
+            positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL, self.block_size)
         h = constrain(x_BSD + a, ACT_AXES, self.mesh)
         m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
-        if c.is_moe:
+        if self.dense_ffn:
+            y = MLP(c, self.dtype, c.dense_intermediate_size, name="mlp")(m)
+        elif c.is_moe:
             y = MoE(c, self.moe_impl, self.dtype, self.mesh, name="mlp")(m, stacked_experts)
         else:
             y = MLP(c, self.dtype, name="mlp")(m)
@@ -63,7 +77,8 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """__call__(tokens_BS | embeds_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None,
-    kv_write_BS=None, logits_window=None) -> (logits fp32, (k_LBLKH, v_LBLKH)), leading L = layers.
+    kv_write_BS=None, logits_window=None, key_positions_BL=None) -> (logits fp32, (k_LBLKH, v_LBLKH)),
+    leading L = all layers (dense_layers first).
 
     Without `kv`, the S inputs are the whole sequence (L == S). With `kv` (per-layer full-length
     caches stacked over layers), the S inputs are per-row windows starting at `window_start`
@@ -72,48 +87,65 @@ class Transformer(nn.Module):
     key_mask_BL: True for keys that may be attended (False = padding).
     logits_window=(starts_B, size): compute logits only for that per-row slice of the S outputs
     -> (B, size, V); default all S -> (B, S, V).
+    Block-causal models: query s sees key l iff key_pos // block <= query_pos // block, over
+    positions_BS and key_positions_BL (needed with `kv`; without it the keys are the inputs).
     """
     cfg: ModelConfig
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
     mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with sharding.param_shardings)
+    attention_block: int = 0  # block-causal models: attention block size (0: cfg.block_size)
+
+    @property
+    def block_size(self) -> int:
+        """The attention block (0 = full bidirectional attention)."""
+        if self.cfg.attention_mask != "block_causal":
+            return 0
+        return self.attention_block or self.cfg.block_size
+
+    def _stack(self, length: int, dense_ffn: bool):
+        return nn.scan(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size, dense_ffn)
 
     def setup(self):
         c = self.cfg
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype, dtype=self.dtype,
                               embedding_init=nn.with_logical_partitioning(
                                   nn.initializers.normal(0.02), ("vocab", "embed")))
-        self.layers = nn.scan(
-            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast), length=c.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.moe_impl, self.dtype, self.attention_impl, self.mesh)
+        if c.first_k_dense:
+            self.dense_layers = self._stack(c.first_k_dense, True)
+        self.layers = self._stack(c.num_scanned_layers, False)
         self.final_norm = RMSNorm(c.rms_norm_eps, "embed", self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
 
-    def _layers_reading_stacked_experts(self, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS):
+    def _layers_reading_stacked_experts(self, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
+                                        key_positions_BL):
         """The nn.scan of `self.layers` as a lax.scan over layer indices: each layer gets its slice of
         the stacked params and, for its experts, the stack itself with its index (see module doc).
         The expert slices it is also handed go unused, so XLA drops them."""
         stacked = self.variables["params"]["layers"]
         experts = {k: stacked["mlp"][k] for k in ("gate_proj", "up_proj", "down_proj")}
-        layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, parent=None)
+        layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size,
+                             parent=None)
 
         def body(x, xs):
             i, kv_i = xs
             p_i = jax.tree_util.tree_map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), stacked)
             return layer.apply({"params": p_i}, x, positions_BS, key_mask_BL, kv_i, window_start, kv_write_BS,
-                               (i, experts))
-        return jax.lax.scan(body, x, (jnp.arange(self.cfg.num_layers), kv))
+                               key_positions_BL, (i, experts))
+        return jax.lax.scan(body, x, (jnp.arange(self.cfg.num_scanned_layers), kv))
 
     def embed_tokens(self, tokens_BS):
         """tokens_BS -> embeds_BSD (also used to build soft embeddings for iteration smoothing)."""
         return self.embed(tokens_BS)
 
     def __call__(self, tokens_BS=None, embeds_BSD=None, positions_BS=None, key_mask_BL=None,
-                 kv=None, window_start=None, kv_write_BS=None, logits_window=None):
+                 kv=None, window_start=None, kv_write_BS=None, logits_window=None, key_positions_BL=None):
         if (tokens_BS is None) == (embeds_BSD is None):
             raise ValueError("Transformer: pass exactly one of tokens_BS or embeds_BSD")
         x = self.embed(tokens_BS) if embeds_BSD is None else embeds_BSD.astype(self.dtype)
@@ -121,12 +153,22 @@ class Transformer(nn.Module):
         B, S, _ = x.shape
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        if self.block_size and kv is not None and key_positions_BL is None:
+            raise ValueError("a block-causal forward over a KV cache needs key_positions_BL (B, L)")
+        k0 = self.cfg.first_k_dense
+        kv_dense, kv = (None, kv) if kv is None or not k0 else (
+            tuple(t[:k0] for t in kv), tuple(t[k0:] for t in kv))
         with jax.named_scope("layers"):
+            if k0:
+                x, dense_kv = self.dense_layers(x, positions_BS, key_mask_BL, kv_dense, window_start, kv_write_BS,
+                                                key_positions_BL)
             if self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh) and not self.is_initializing():
                 x, new_kv = self._layers_reading_stacked_experts(x, positions_BS, key_mask_BL, kv, window_start,
-                                                                 kv_write_BS)
+                                                                 kv_write_BS, key_positions_BL)
             else:
-                x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
+                x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL)
+            if k0:
+                new_kv = tuple(jnp.concatenate([a, b]) for a, b in zip(dense_kv, new_kv))
         if logits_window is not None:
             x = window_slice(x, as_starts(logits_window[0], B), logits_window[1])
         x = self.final_norm(x)
