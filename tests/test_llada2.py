@@ -272,3 +272,36 @@ def test_bad_checkpoints_give_one_clear_error(ref, tmp_path):
     msg = str(e.value)
     assert "1 missing tensors" in msg and "model.layers.2.mlp.shared_experts.up_proj.weight" in msg
     assert f"{qkv}: expected shape [{(4 + 2 * 2) * 16}, 64], found [{(4 + 2 * 2) * 16 - 16}, 64]" in msg
+
+
+# ------------------------------------------------------------------------------------ decoding
+def test_full_canvas_decoding_runs_block_causal(model):
+    """The existing full-canvas loop on a block-causal model: with cache "none" every forward is a
+    full block-causal forward, so it equals the host-loop reference token for token (the dedicated
+    block-diffusion mode with its exact prefix cache is a separate piece of work)."""
+    from decoding_reference import reference_generate
+
+    from dinfer_jax.engine import SamplingParams, generate
+    prompts = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2]]
+    p = SamplingParams(gen_length=16, block_length=8, strategy="threshold", threshold=0.2, cache="none")
+    r = generate(model, prompts, p)
+    for i, prompt in enumerate(prompts):
+        want, nfe = reference_generate(model, prompt, p)
+        assert r.raw_ids[i].tolist() == want and r.nfe[i] == nfe
+    d = generate(model, prompts, SamplingParams(gen_length=16, block_length=8, threshold=0.2, cache="dual"))
+    assert not (d.raw_ids == CFG.mask_token_id).any()
+
+
+def test_one_bf16_forward_at_full_mini_widths(tmp_path):
+    """bench/llada2_full_width.py: the dense first layer + one MoE layer of LLaDA2-mini at full
+    widths (1.5 B params incl. the 157184-token embedding and LM head), bf16, on CPU. In a
+    subprocess: it sets XLA flags and holds ~5 GB."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "row.json"
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "llada2_full_width.py"), "--repeats", "1",
+                        "--tokens", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = json.loads(out.read_text())
+    assert row["finite"] and row["params_run"] == preset("llada2-mini").replace(num_layers=2).num_params

@@ -202,3 +202,44 @@ def test_expert_tensor_data_parallel_smoke(tmp_path):
     got = res["meshes"]["data=2,expert=2,model=2"]
     _check_same(res["single"], got, "data=2,expert=2,model=2")
     assert {tuple(r["experts"]) for r in got["experts"]} == {(0, 4), (4, 8)}
+
+
+def test_llada2_expert_parallel_matches_single_device(tmp_path):
+    """A random tiny LLaDA2 (block-causal, sigmoid group router with expert bias, shared expert,
+    leading dense layer) on expert=8 (2 of 16 experts per device) and a (2, 2, 2) mesh."""
+    from dinfer_jax import checkpoint as ckpt
+    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.models import init_params
+    cfg = preset("tiny-llada2")
+    folder = str(tmp_path / "ckpt")
+    ckpt.save_params(folder, init_params(cfg, seed=6), to_hf_dict(cfg))
+    meshes = ["expert=8", "data=2,expert=2,model=2"]
+    job = {"devices": 8, "model": folder, "meshes": meshes, "prompts": PROMPTS, "logits_ids": LOGITS_IDS,
+           "settings": [SETTINGS[0], dict(gen_length=16, block_length=8, strategy="fixed", steps=8, cache="none")]}
+    res = _run_worker(job, tmp_path, "llada2")
+    for spec in meshes:
+        got = res["meshes"][spec]
+        assert "error" not in got, got.get("error")
+        _check_same(res["single"], got, spec)
+    assert {tuple(r["experts"]) for r in res["meshes"]["expert=8"]["experts"]} == {(2 * i, 2 * i + 2) for i in range(8)}
+
+
+@pytest.mark.smoke
+def test_llada2_mini_param_shardings_on_8_devices():
+    """LLaDA2-mini's 256 experts over 8 devices (32 each), expert FFN / shared expert / dense layer
+    / attention over "model", router and expert bias replicated."""
+    from dinfer_jax.config import preset
+    from dinfer_jax.models import abstract_params
+    cfg = preset("llada2-mini")
+    shapes = {k: v.shape for k, v in abstract_params(cfg).items()}
+    axes = shd.param_logical_axes(cfg)
+    m = _MeshShape(expert=4, model=2)
+    spec = {k: shd.logical_spec(axes[k], shapes[k], m, strict=True, what=k) for k in axes}
+    assert spec["layers/mlp/gate_proj"] == shd.P(None, "expert", None, "model")
+    assert spec["layers/mlp/router"] == shd.P(None, None, None)
+    assert spec["layers/mlp/router_bias"] == shd.P(None, None)
+    assert spec["layers/mlp/shared/gate_proj"] == shd.P(None, None, "model")
+    assert spec["dense_layers/mlp/down_proj"] == shd.P(None, "model", None)
+    assert spec["layers/attn/q_proj"] == shd.P(None, None, "model", None)
+    shd.check_mesh_fits(cfg, _MeshShape(expert=8))
+    shd.check_mesh_fits(cfg, _MeshShape(data=2, expert=8, model=4))  # kv heads (4) split over model=4
