@@ -173,13 +173,22 @@ DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_
 
 def generation_defaults(folder: str) -> dict:
     """Decoding defaults a model folder recommends: the "dinfer_jax" entry of its
-    generation_config.json (e.g. {"gen_length": 16, "block_length": 16}); {} when absent."""
+    generation_config.json (e.g. {"gen_length": 16, "block_length": 16}); for a block-causal
+    model without one, its attention block as the block length; {} when nothing applies."""
+    out = {}
     path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            d = json.load(f).get("dinfer_jax") or {}
-    except (json.JSONDecodeError, AttributeError):
-        return {}
-    return {k: d[k] for k in ("gen_length", "block_length") if isinstance(d.get(k), int)}
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                d = json.load(f).get("dinfer_jax") or {}
+            out = {k: d[k] for k in ("gen_length", "block_length") if isinstance(d.get(k), int)}
+        except (json.JSONDecodeError, AttributeError):
+            out = {}
+    if "block_length" not in out:
+        try:
+            cfg = load_hf_config(folder)
+        except (ConfigError, OSError, ValueError):
+            return out
+        if cfg.attention_mask == "block_causal":
+            out["block_length"] = cfg.block_size
+    return out

@@ -47,6 +47,12 @@ class SamplingParams:
     credit_alpha: float = 0.7
     credit_gamma: float = 0.2
     credit_beta: float = 0.8
+    # Block diffusion (cache="block"; LLaDA2.x): LLaDA2's sampler and LLaDA2.1's token editing.
+    editing_threshold: float | None = None  # T2T edit threshold; None: no editing (LLaDA2.0 rule)
+    max_post_steps: int = 16  # post-fill (edit) forwards per block at most
+    num_to_transfer: int = 1  # M2T: at least this many masks per step (the most probable)
+    top_k: int = 0  # temperature > 0: keep the k most probable tokens (0: all)
+    top_p: float = 1.0  # temperature > 0: nucleus (1.0: off)
 
     def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
         if self.strategy not in STRATEGIES:
@@ -67,12 +73,16 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
+        if self.num_to_transfer < 1 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"num_to_transfer={self.num_to_transfer} must be >= 1, top_k={self.top_k} >= 0, "
+                             f"top_p={self.top_p} in (0, 1]")
         return DecodeSpec(
             gen_length=self.gen_length, block_length=self.block_length, strategy=self.strategy,
             steps_per_block=steps_per_block, cache=self.cache, refresh_every=self.refresh_every,
             prefix_look=self.prefix_look, after_look=self.after_look, warmup_steps=self.warmup_steps,
             smoothing=self.smoothing, early_stop=self.early_stop, start_block_align=self.start_block_align,
-            mask_id=mask_id, eos_id=eos_id)
+            mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None,
+            max_post_steps=self.max_post_steps)
 
 
 @dataclasses.dataclass
@@ -90,6 +100,7 @@ class GenerationResult:
     batch_nfe_full: int
     batch_nfe_window: int
     seconds: float
+    edits: list[int] | None = None  # block diffusion with editing: token-to-token edits per prompt
 
 
 def _bucket_batch(b: int) -> int:
@@ -112,6 +123,8 @@ class Generator:
         key = (spec, gen_start)
         if key not in self._programs:
             module = self.model.module
+            if module.cfg.attention_mask == "block_causal":  # the attention block is the decoding block
+                module = module.clone(attention_block=spec.block_length)
 
             def run(params, canvas, pad, plen, active, knobs, observer_id):
                 self.compiles += 1  # runs at trace time only
@@ -145,9 +158,12 @@ class Generator:
         per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(rows)
         if len(per_row) != len(rows):
             raise ValueError(f"{len(per_row)} SamplingParams for {len(rows)} prompts (give one, or one per prompt)")
-        spec = per_row[0].spec(cfg.mask_token_id, cfg.eos_token_id)
+        spec = per_row[0].spec(cfg.mask_token_id, cfg.eos_id)
+        if spec.cache == "block" and cfg.attention_mask != "block_causal":
+            raise ValueError(f"cache='block' (block diffusion) needs a block-causal model; this {cfg.family} model "
+                             f"has {cfg.attention_mask} attention (use none, prefix, dual or vicinity)")
         for i, p in enumerate(per_row[1:], 1):
-            other = p.spec(cfg.mask_token_id, cfg.eos_token_id)
+            other = p.spec(cfg.mask_token_id, cfg.eos_id)
             if other != spec:
                 diff = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(other, f.name)]
                 raise ValueError(f"prompts in one batch must share the compiled settings; prompt {i} differs in "
@@ -161,7 +177,7 @@ class Generator:
         if max(len(r) for r in rows) + spec.gen_length > cfg.max_position_embeddings:
             raise ValueError(f"prompt + gen_length = {max(len(r) for r in rows) + spec.gen_length} exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        pad_id = cfg.pad_id
         canvas = np.full((B, Lc), pad_id, np.int32)
         pad = np.full((B,), gen_start, np.int32)
         plen = np.zeros((B,), np.int32)
@@ -170,7 +186,10 @@ class Generator:
             pad[b], plen[b] = gen_start - len(r), len(r)
         canvas[:len(rows), gen_start:gen_start + spec.gen_length] = cfg.mask_token_id
         active = np.arange(B) < len(rows)
-        knobs = {k: np.array([getattr(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
+        def knob(p, k):
+            v = getattr(p, k)
+            return 1.0 if v is None else v  # editing_threshold None: no editing (the value is unused)
+        knobs = {k: np.array([knob(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
                              np.uint32 if k == "seed" else np.float32) for k in KNOBS}
         prog = self._program(spec, gen_start)
         put = self.model.place_batch
@@ -207,7 +226,7 @@ class Generator:
                           RuntimeWarning, stacklevel=2)
         raw = canvas[:n, gen_start:gen_start + spec.gen_length]
         cfg = self.model.config
-        stops = {cfg.eos_token_id} | ({cfg.eot_token_id} if cfg.eot_token_id is not None else set())
+        stops = cfg.stop_ids
         out, tpf = [], []
         for b in range(n):
             toks = raw[b].tolist()
@@ -215,8 +234,10 @@ class Generator:
             out.append(toks[:cut])
             real = int(np.sum((raw[b] != cfg.eos_token_id) & (raw[b] != cfg.mask_token_id)))
             tpf.append(real / max(1, int(stats["row_nfe"][b])))
+        edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
-                                stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs)
+                                stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
+                                edits)
 
 
 def generate(model, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,

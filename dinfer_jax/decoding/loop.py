@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding import strategies as st
 
-CACHES = ("none", "prefix", "dual", "vicinity")
+CACHES = ("none", "prefix", "dual", "vicinity", "block")  # "block": block diffusion (decoding/block_loop.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,8 @@ class DecodeSpec:
     mask_id: int = 0
     eos_id: int = 0
     observe: bool = False  # host callback after every iteration (streaming, live canvas); off = no host syncs
+    editing: bool = False  # block mode: LLaDA2.1 token-to-token edits (post-fill forwards)
+    max_post_steps: int = 16  # block mode with editing: post-fill forwards per block at most
 
     def __post_init__(self):
         problems = []
@@ -67,13 +69,24 @@ class DecodeSpec:
             problems.append("iteration smoothing with the prefix cache is not supported (use none, dual or vicinity)")
         if min(self.prefix_look, self.after_look, self.warmup_steps, self.refresh_every) < 0:
             problems.append("prefix_look, after_look, warmup_steps and refresh_every must be >= 0")
+        if self.cache == "block":
+            if self.strategy != "threshold":
+                problems.append(f"cache='block' (block diffusion) decodes with strategy 'threshold' (LLaDA2's rule), "
+                                f"not {self.strategy!r}")
+            if self.smoothing or self.start_block_align or self.refresh_every:
+                problems.append("cache='block' takes no smoothing, start_block_align or refresh_every")
+            if self.max_post_steps < 0:
+                problems.append(f"max_post_steps={self.max_post_steps} must be >= 0")
+        elif self.editing:
+            problems.append("token editing (editing_threshold) needs cache='block' (block diffusion)")
         if problems:
             raise ValueError("invalid decoding settings: " + "; ".join(problems))
 
     @property
     def num_blocks(self) -> int:
         """Blocks per row (one more when aligned blocks may start inside the prompt)."""
-        return self.gen_length // self.block_length + (1 if self.start_block_align else 0)
+        aligned = self.start_block_align or self.cache == "block"
+        return self.gen_length // self.block_length + (1 if aligned else 0)
 
     @property
     def head_room(self) -> int:
@@ -83,17 +96,19 @@ class DecodeSpec:
     @property
     def tail_room(self) -> int:
         """Pads needed after the generation region (aligned last block, vicinity after_look)."""
-        return (self.block_length if self.start_block_align else 0) + (
+        return (self.block_length if self.start_block_align or self.cache == "block" else 0) + (
             self.after_look if self.cache == "vicinity" else 0)
 
     @property
     def max_iterations(self) -> int:
         per_block = self.steps_per_block if self.strategy in st.FIXED else self.block_length
+        if self.cache == "block":  # + post-fill forwards; + B for steps that commit the mask id itself
+            per_block = 2 * self.block_length + (self.max_post_steps + 1 if self.editing else 0)
         return self.num_blocks * per_block
 
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
-         "credit_beta", "seed")
+         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p")
 
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
@@ -123,6 +138,10 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     observer_id: int32 scalar naming a host observer (decoding/observe.py); used only when
     spec.observe, which adds one host callback per iteration with the generation region.
     """
+    if spec.cache == "block":
+        from dinfer_jax.decoding.block_loop import block_generate_loop
+        return block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, gen_start, active_B, knobs,
+                                   observer_id)
     cfg = module.cfg
     B, Lc = canvas_BL.shape
     Bk, M = spec.block_length, spec.mask_id

@@ -1,0 +1,209 @@
+"""Block diffusion (LLaDA2.x, SDAR, Fast-dLLM v2) in the one jitted `lax.while_loop`.
+
+Block-causal models attend bidirectionally inside a block and causally across blocks, so the K/V
+of a finished block never change: the prefix cache is EXACT. Layout (per row b; engine.py builds
+the canvas, this loop masks the tail):
+  [ pads (pad_b) | prompt (P_b) | gen_length masks | tail masks up to the row's last block end ]
+Blocks are absolute in the row's positions (position = index - pad_b): block k covers positions
+[kB, (k+1)B). The first decoded block is the one holding position P_b (its head is the prompt
+tail, never rewritten); the last ends at ceil((P_b + G) / B) * B (the tail past P_b + G is
+decoded too and never returned), as LLaDA2's own generate() lays it out (reference §4).
+
+Program:
+  prefill: one forward over the prompt region [0, gen_start): its K/V become the cache;
+  per iteration, one forward per active row over a window that reads the cache:
+    - the row's current block (S = B), or
+    - on a block's first step, [previous block | current block] (S = 2B): the previous block is
+      now clean, and this forward computes its final K/V, which are written into the cache
+      (dInfer's newer generate_uniform does the same; the HF generate() has no cache and
+      recomputes the whole prefix every step). Tokens are unaffected: the logits of the current
+      block are exactly those of a full block-causal forward (tests/test_block_diffusion.py).
+  No forward ever covers the whole canvas: a step costs a window of B or 2B tokens plus attention
+  over the prefix.
+Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
+  sample v_i, p_i for every position (temperature 0: argmax over the vocabulary, p = its softmax
+  probability; else logits / T, top-k, top-p, one draw (Gumbel-max), p under the filtered softmax);
+  M2T: the masked positions with p > threshold if at least `num_to_transfer` of them, else the
+  top-min(num_to_transfer, #masked) by p;
+  T2T (editing, LLaDA2.1): already-filled generated positions of this block (not masked at the
+  step's start, not prompt) take v_i where p_i > editing_threshold and v_i differs; applied with
+  M2T from the same forward.
+  A block ends when it has no mask (no editing), or (editing) when a forward on the fully
+  unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
+Early stop: when a block ends holding EOS in its generated part, the row stops and the rest of its
+generation region is filled with EOS.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.cache import empty_cache, window_slice
+from dinfer_jax.decoding.strategies import rank_desc
+
+
+def sample_tokens(logits_BSV, knobs, keys_B):
+    """-> (v_BS int32, p_BS fp32): LLaDA2's sampler. Rows with temperature 0 take the argmax and
+    its softmax probability; others divide by T, keep the top_k (0: all) and the smallest set of
+    most probable tokens whose cumulative probability exceeds top_p (the first always kept), and
+    draw one token (Gumbel-max); p is its probability under the filtered softmax."""
+    l = logits_BSV.astype(jnp.float32)
+    T = knobs["temperature"][:, None, None]
+    greedy = T <= 0
+    lt = jnp.where(greedy, l, l / jnp.where(greedy, 1.0, T))
+    V = l.shape[-1]
+    k = knobs["top_k"].astype(jnp.int32)[:, None, None]
+    srt = -jnp.sort(-lt, axis=-1)  # descending
+    kth = jnp.take_along_axis(srt, jnp.clip(k - 1, 0, V - 1), axis=-1)
+    lt = jnp.where((k > 0) & (lt < kth), -jnp.inf, lt)
+    probs_sorted = jax.nn.softmax(-jnp.sort(-lt, axis=-1), axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    top_p = knobs["top_p"][:, None, None]
+    keep_n = jnp.sum((cum - probs_sorted) < top_p, axis=-1, keepdims=True)  # smallest prefix with cum > top_p
+    cut = jnp.take_along_axis(-jnp.sort(-lt, axis=-1), jnp.clip(keep_n - 1, 0, V - 1), axis=-1)
+    lt = jnp.where((top_p < 1.0) & (lt < cut), -jnp.inf, lt)
+    lt = jnp.where(greedy, l, lt)
+
+    def noisy(_):
+        g = jax.vmap(lambda key: jax.random.gumbel(key, l.shape[1:], jnp.float32))(keys_B)
+        return lt + jnp.where(greedy, 0.0, g)
+    scores = jax.lax.cond(jnp.any(~greedy), noisy, lambda _: lt, None)
+    v = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    picked = jnp.take_along_axis(lt, v[..., None], axis=-1)[..., 0]
+    p = jnp.exp(picked - jax.nn.logsumexp(lt, axis=-1))
+    return v, p
+
+
+def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool):
+    """One LLaDA2 decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
+    editable_BS: generated (non-prompt) positions of the block."""
+    v, p = sample_tokens(logits_BSV, knobs, keys_B)
+    masked = x_BS == mask_id
+    c = jnp.where(masked, p, -jnp.inf)
+    high = masked & (c > knobs["threshold"][:, None])
+    n = knobs["num_to_transfer"].astype(jnp.int32)
+    enough = jnp.sum(high, axis=-1) >= n
+    top = masked & (rank_desc(c) < jnp.minimum(n, jnp.sum(masked, axis=-1))[:, None])
+    m2t = jnp.where(enough[:, None], high, top)
+    t2t = jnp.zeros_like(m2t)
+    if editing:
+        t2t = editable_BS & ~masked & (p > knobs["editing_threshold"][:, None]) & (v != x_BS)
+    return jnp.where(m2t | t2t, v, x_BS), m2t, t2t
+
+
+def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, gen_start: int, active_B, knobs,
+                        observer_id=None):
+    """Block-diffusion generation (module doc). Same contract as loop.generate_loop: returns
+    (canvas_BL, stats). `module` must be block-causal with attention block == spec.block_length."""
+    cfg = module.cfg
+    B, Lc = canvas_BL.shape
+    Bk, M = spec.block_length, spec.mask_id
+    gen_end = gen_start + spec.gen_length
+    idx_L = jnp.arange(Lc, dtype=jnp.int32)
+    positions_BL = jnp.maximum(idx_L[None, :] - pad_B[:, None], 0)
+    first_B = pad_B + (prompt_len_B // Bk) * Bk  # canvas index of the first decoded block
+    row_end_B = pad_B + -(-(prompt_len_B + spec.gen_length) // Bk) * Bk
+    n_blocks_B = (row_end_B - first_B) // Bk
+    key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < row_end_B[:, None])
+    tail = (idx_L[None, :] >= gen_end) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
+    x0 = jnp.where(tail, M, canvas_BL)
+    base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
+
+    with jax.named_scope("prefill"):
+        _, kv_pre = module.apply({"params": params}, tokens_BS=x0[:, :gen_start],
+                                 positions_BS=positions_BL[:, :gen_start], key_mask_BL=key_mask_BL[:, :gen_start],
+                                 logits_window=(jnp.zeros((B,), jnp.int32), 1))
+    kv = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
+    kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, kv_pre))
+
+    state = dict(
+        x=x0, kv=kv, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
+        post=jnp.zeros((B,), jnp.int32), it=jnp.zeros((B,), jnp.int32), done=~active_B,
+        row_nfe=jnp.zeros((B,), jnp.int32), edits=jnp.zeros((B,), jnp.int32),
+        nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
+        steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
+    )
+
+    def cond(s):
+        return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
+
+    def body(s):
+        active = ~s["done"]
+        start_B = first_B + s["blk"] * Bk
+        x, kv = s["x"], s["kv"]
+        commit = active & (s["stp"] == 0) & (s["blk"] > 0)
+        plain = active & ~commit
+        V = cfg.vocab_size
+
+        def window(size, back):
+            def run(_):
+                ws = start_B - back
+                with jax.named_scope("forward_block"):
+                    return module.apply({"params": params}, tokens_BS=window_slice(x, ws, size),
+                                        positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL,
+                                        kv=kv, window_start=ws, key_positions_BL=positions_BL,
+                                        logits_window=(jnp.full((B,), back, jnp.int32), Bk))
+            return run
+
+        def skip(_):
+            return jnp.zeros((B, Bk, V), jnp.float32), kv
+
+        logits_c, kv_c = jax.lax.cond(jnp.any(commit), window(2 * Bk, Bk), skip, None)
+        logits_p, _ = jax.lax.cond(jnp.any(plain), window(Bk, 0), skip, None)
+        logits = jnp.where(commit[:, None, None], logits_c, logits_p)
+        # Only the commit window persists: its previous block is clean, so those K/V are final.
+        kv = tuple(jnp.where(commit[None, :, None, None, None], a, b) for a, b in zip(kv_c, kv))
+
+        with jax.named_scope("strategy"):
+            x_blk = window_slice(x, start_B, Bk)
+            blk_idx = start_B[:, None] + jnp.arange(Bk)[None, :]
+            in_gen = blk_idx >= gen_start
+            masked0 = x_blk == M
+            keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+            new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing)
+            new_blk = jnp.where(active[:, None], new_blk, x_blk)
+            t2t &= active[:, None]
+            from dinfer_jax.cache import window_write
+            x = window_write(x, new_blk, start_B)
+
+        any_mask_after = jnp.any(new_blk == M, axis=-1)
+        if spec.editing:
+            post_fill = ~jnp.any(masked0, axis=-1)
+            post = s["post"] + post_fill.astype(jnp.int32)
+            finished = active & ((post_fill & ~jnp.any(t2t, axis=-1)) |
+                                 (~any_mask_after & (post + 1 > spec.max_post_steps)))
+        else:
+            post = s["post"]
+            finished = active & ~any_mask_after
+        has_eos = (jnp.any((new_blk == spec.eos_id) & in_gen, axis=-1) if spec.early_stop
+                   else jnp.zeros((B,), bool))
+        stop_now = finished & has_eos
+        fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end)
+        x = jnp.where(fill, spec.eos_id, x)
+        last = s["blk"] + 1 >= n_blocks_B
+        done = s["done"] | stop_now | (finished & last)
+        spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s["blk"][:, None]),
+                        (s["stp"] + 1)[:, None], s["steps_per_block"])
+        new = dict(
+            x=x, kv=kv, done=done, steps_per_block=spb,
+            blk=jnp.where(finished & ~done, s["blk"] + 1, s["blk"]),
+            stp=jnp.where(finished, 0, jnp.where(active, s["stp"] + 1, s["stp"])),
+            post=jnp.where(finished, 0, post),
+            it=s["it"] + active.astype(jnp.int32), row_nfe=s["row_nfe"] + active.astype(jnp.int32),
+            edits=s["edits"] + jnp.sum(t2t, axis=-1).astype(jnp.int32),
+            nfe_window=s["nfe_window"] + jnp.any(plain).astype(jnp.int32),
+            nfe_commit=s["nfe_commit"] + jnp.any(commit).astype(jnp.int32),
+            iters=s["iters"] + 1,
+        )
+        if spec.observe:
+            from dinfer_jax.decoding.observe import emit
+            emit(observer_id, s["iters"], x[:, gen_start:gen_end], new["blk"], done, active)
+        return {**s, **new}
+
+    with jax.named_scope("denoise_loop"):
+        final = jax.lax.while_loop(cond, body, state)
+    stats = {k: final[k] for k in ("iters", "row_nfe", "steps_per_block", "done", "edits")}
+    stats["nfe_full"] = jnp.zeros((), jnp.int32)  # no full-canvas forward on this path
+    stats["nfe_window"] = final["nfe_window"] + final["nfe_commit"]
+    stats["nfe_commit"] = final["nfe_commit"]
+    return final["x"], stats

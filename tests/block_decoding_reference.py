@@ -1,0 +1,65 @@
+"""A slow host-loop reference of LLaDA2's block-diffusion generate() (temperature 0), written from
+shared/reference/llada2_and_dream.md §4-6 without using dinfer_jax.decoding: one prompt, no
+padding, NO cache: every step runs a full block-causal forward over the whole window [0, (b+1)B)
+(the prompt and every earlier block recomputed), exactly as the HF generate() does.
+
+Returns (generated tokens cut after the first EOS (inclusive), forwards, edits)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _softmax64(l):
+    l = np.asarray(l, np.float64)
+    e = np.exp(l - l.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def reference_block_generate(model, prompt, p):
+    cfg = model.config
+    M, E, Bk, G = cfg.mask_token_id, cfg.eos_token_id, p.block_length, p.gen_length
+    module = model.module.clone(attention_block=Bk)
+    fwd = jax.jit(lambda params, ids: module.apply({"params": params}, ids)[0])
+    P = len(prompt)
+    nb = -(-(P + G) // Bk)
+    x = list(prompt) + [M] * (nb * Bk - P)
+    editing = p.editing_threshold is not None
+    nfe = edits = 0
+    for b in range(P // Bk, nb):
+        s, e = b * Bk, (b + 1) * Bk
+        post = 0
+        while True:
+            active = [i for i in range(s, e) if x[i] == M]
+            if not active:
+                if not editing:
+                    break
+                post += 1
+                if post > p.max_post_steps:
+                    break
+            logits = np.asarray(fwd(model.params, jnp.asarray([x[:e]], jnp.int32)))[0, s:e]
+            nfe += 1
+            prob = _softmax64(logits)
+            v = [int(np.argmax(logits[i - s])) for i in range(s, e)]
+            pv = [float(prob[i - s, v[i - s]]) for i in range(s, e)]
+            high = [i for i in active if pv[i - s] > p.threshold]
+            if len(high) >= p.num_to_transfer:
+                m2t = high
+            else:
+                m2t = sorted(active, key=lambda i: (-pv[i - s], i))[:min(p.num_to_transfer, len(active))]
+            t2t = []
+            if editing:
+                t2t = [i for i in range(s, e) if i not in active and i >= P
+                       and pv[i - s] > p.editing_threshold and v[i - s] != x[i]]
+            for i in m2t + t2t:
+                x[i] = v[i - s]
+            edits += len(t2t)
+            if editing and not active and not t2t:
+                break
+        if p.early_stop and E in x[P:e]:
+            break
+    gen = x[P:P + G]
+    if E in gen:
+        gen = gen[:gen.index(E) + 1]
+    return gen, nfe, edits

@@ -1,0 +1,153 @@
+"""Block diffusion (cache="block"): the jitted loop vs the slow no-cache host-loop reference of
+LLaDA2's generate() (tests/block_decoding_reference.py) token for token and in forwards, with and
+without LLaDA2.1 editing, batch 1 and mixed-length batches; the exact prefix cache; the decoder
+on hand-built logits; and that a step's cost does not grow with the generation length."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from block_decoding_reference import reference_block_generate
+
+from dinfer_jax.config import preset
+from dinfer_jax.decoding.block_loop import block_decide
+from dinfer_jax.engine import SamplingParams, generate
+from dinfer_jax.model import Model
+from dinfer_jax.models import init_params
+
+CFG = preset("tiny-llada2")
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # A random model is peaky enough at std 0.1 for threshold decoding to commit several tokens a step.
+    cfg = CFG
+    rng = np.random.default_rng(11)
+    shapes = jax.eval_shape(lambda: init_params(cfg, seed=11))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.asarray((1.0 + 0.1 * rng.standard_normal(a.shape)) if "norm" in jax.tree_util.keystr(path)
+                                    else 0.15 * rng.standard_normal(a.shape), a.dtype), shapes)
+    return Model(cfg, params)
+
+
+def _gen(tokens_row):
+    return tokens_row
+
+
+SETTINGS = [
+    dict(threshold=0.3),
+    dict(threshold=0.5, num_to_transfer=2),
+    dict(threshold=0.3, editing_threshold=0.3, max_post_steps=3),
+    dict(threshold=0.2, editing_threshold=0.0, max_post_steps=2),  # edits every changed token: hits the bound
+]
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=["m2t", "m2t-n2", "edit", "edit-bound"])
+def test_loop_matches_no_cache_reference(model, kw):
+    p = SamplingParams(gen_length=16, block_length=8, cache="block", **kw)
+    r = generate(model, PROMPTS, p)
+    for i, prompt in enumerate(PROMPTS):
+        want, nfe, edits = reference_block_generate(model, prompt, p)
+        ours = r.raw_ids[i].tolist()
+        if CFG.eos_token_id in want:
+            ours = ours[:len(want)]
+        assert ours == want, f"prompt {i}"
+        assert r.nfe[i] == nfe, f"prompt {i}: {r.nfe[i]} forwards, reference {nfe}"
+        if p.editing_threshold is not None:
+            assert r.edits[i] == edits, f"prompt {i}"
+    one = generate(model, [PROMPTS[1]], p)  # batch invariance: alone == inside the batch
+    assert one.raw_ids[0].tolist() == r.raw_ids[1].tolist() and one.nfe[0] == r.nfe[1]
+
+
+def test_editing_happens_and_is_counted(model):
+    p = SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.2, editing_threshold=0.0,
+                       max_post_steps=2)
+    r = generate(model, PROMPTS, p)
+    assert sum(r.edits) > 0
+    # Each block: at most max_post_steps post-fill forwards after its last mask is filled.
+    plain = generate(model, PROMPTS, SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.2))
+    assert (r.steps_per_block <= plain.steps_per_block + 2 + 8).all()
+
+
+def test_edit_threshold_one_costs_one_post_fill_forward_per_block(model):
+    """editing_threshold 1.0 never edits (p <= 1): every block ends after exactly one post-fill
+    forward, so each block takes one step more than without editing and the tokens are the same."""
+    base = dict(gen_length=16, block_length=8, cache="block", threshold=0.3)
+    a = generate(model, PROMPTS, SamplingParams(**base))
+    b = generate(model, PROMPTS, SamplingParams(**base, editing_threshold=1.0))
+    assert a.raw_ids.tolist() == b.raw_ids.tolist() and b.edits == [0, 0, 0]
+    used = a.steps_per_block > 0
+    np.testing.assert_array_equal(b.steps_per_block[used], a.steps_per_block[used] + 1)
+
+
+def test_block_decide_on_hand_built_logits():
+    """M2T threshold / fallback count, T2T above vs below the edit threshold, prompt never edited."""
+    M, V = 9, 10
+    x = jnp.asarray([[3, M, M, 4, 5, M]])
+    editable = jnp.asarray([[False, True, True, True, True, True]])  # position 0 is prompt
+    logits = np.zeros((1, 6, V), np.float32)  # unsure rows: p(best) = e^a / (e^a + 9), about 0.14..0.23
+    logits[0, [0, 1, 3]] = -10.0
+    logits[0, 0, 7] = 10.0  # prompt position: a confident other token, must not be edited
+    logits[0, 1, 1] = 10.0  # mask, confident -> committed
+    logits[0, 2, 2] = 0.5   # mask, unsure (p 0.155) -> not committed while another mask is confident
+    logits[0, 3, 6] = 10.0  # filled 4, confident 6 -> edited
+    logits[0, 4, 8] = 1.0   # filled 5, unsure 8 (p 0.23) -> kept
+    logits[0, 5, 0] = 0.4   # mask, unsure (p 0.142)
+    knobs = {"temperature": jnp.zeros(1), "top_k": jnp.zeros(1), "top_p": jnp.ones(1),
+             "threshold": jnp.full(1, 0.9), "num_to_transfer": jnp.ones(1), "editing_threshold": jnp.full(1, 0.8)}
+    keys = jax.random.split(jax.random.key(0), 1)
+    new, m2t, t2t = block_decide(jnp.asarray(logits), x, editable, M, knobs, keys, editing=True)
+    assert new.tolist() == [[3, 1, M, 6, 5, M]] and t2t.tolist() == [[False, False, False, True, False, False]]
+    new, _, t2t = block_decide(jnp.asarray(logits), x, editable, M, knobs, keys, editing=False)
+    assert new.tolist() == [[3, 1, M, 4, 5, M]] and not t2t.any()
+    # No mask above the threshold: the num_to_transfer most probable masks are committed anyway.
+    knobs["threshold"] = jnp.full(1, 0.9999)
+    knobs["num_to_transfer"] = jnp.full(1, 2.0)
+    new, m2t, _ = block_decide(jnp.asarray(logits), x, editable, M, knobs, keys, editing=False)
+    assert m2t.tolist() == [[False, True, True, False, False, False]]
+
+
+def test_prefill_and_commit_windows_are_exact(model):
+    """The loop's cache recipe: prefill the prompt region, then a 2B window [block k-1 | block k]
+    over the cache: block k's logits equal a full block-causal forward's (fp32, <= 1e-5 rel)."""
+    m, p = model.module.clone(attention_block=8), model.params
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 120, (2, 40)))
+    full, _ = m.apply({"params": p}, ids)
+    pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
+    _, kv_pre = m.apply({"params": p}, ids[:, :16])
+    kv = tuple(jnp.zeros((CFG.num_layers, 2, 40, CFG.num_kv_heads, CFG.head_dim)).at[:, :, :16].set(t) for t in kv_pre)
+    win, kv2 = m.apply({"params": p}, ids[:, 16:32], positions_BS=pos[:, 16:32], kv=kv, window_start=16,
+                       key_positions_BL=pos)
+    rel = float(jnp.abs(win[:, 8:] - full[:, 24:32]).max() / jnp.abs(full).max())
+    assert rel <= 1e-5
+    win3, _ = m.apply({"params": p}, ids[:, 32:40], positions_BS=pos[:, 32:40], kv=kv2, window_start=32,
+                      key_positions_BL=pos)
+    assert float(jnp.abs(win3 - full[:, 32:40]).max() / jnp.abs(full).max()) <= 1e-5
+
+
+def _body_flops(model, gen_length, cache):
+    p = SamplingParams(gen_length=gen_length, block_length=8, cache=cache, threshold=0.3)
+    compiled = model.generator.lower([PROMPTS[0]], p).compile()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return float(ca["flops"])
+
+
+def test_step_cost_does_not_grow_with_generation_length(model):
+    """XLA's cost analysis counts a while body once: for cache="block" the program's flops barely
+    move from gen 16 to gen 128 (only attention over the longer prefix grows); the full-canvas
+    dual cache (a full refresh in the body) grows with the canvas."""
+    block = _body_flops(model, 128, "block") / _body_flops(model, 16, "block")
+    dual = _body_flops(model, 128, "dual") / _body_flops(model, 16, "dual")
+    assert block < 1.5 and dual > 2.5, (block, dual)
+
+
+def test_block_mode_needs_a_block_causal_model():
+    cfg = preset("tiny")
+    m = Model(cfg, init_params(cfg))
+    with pytest.raises(ValueError, match="needs a block-causal model"):
+        generate(m, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, cache="block"))
+    with pytest.raises(ValueError, match="editing"):
+        SamplingParams(gen_length=8, block_length=8, cache="dual", editing_threshold=0.5).spec(1, 2)
+    with pytest.raises(ValueError, match="strategy 'threshold'"):
+        SamplingParams(gen_length=8, block_length=8, cache="block", strategy="credit").spec(1, 2)
