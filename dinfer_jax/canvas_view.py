@@ -1,6 +1,8 @@
 """A live terminal view of diffusion decoding: the generation region of one prompt redrawn after
 every denoising step, masked positions shown as '░', tokens decoded in the current step
-highlighted. `dinfer-jax generate --show-canvas` (only when stderr is a terminal).
+highlighted green, tokens EDITED in the current step (block diffusion with editing: a filled
+token replaced by another) highlighted yellow and counted in the status line.
+`dinfer-jax generate --show-canvas` (only when stderr is a terminal).
 
 It is an observer for `Generator.generate(observer=...)` (decoding/observe.py).
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 import sys
 
 MASK_GLYPH = "░"
-_BOLD_GREEN, _DIM, _RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[0m"
+_BOLD_GREEN, _BOLD_YELLOW, _DIM, _RESET = "\x1b[1;32m", "\x1b[1;33m", "\x1b[2m", "\x1b[0m"
 
 
 class CanvasView:
@@ -29,29 +31,37 @@ class CanvasView:
         self._prev = None
         self._lines = 0
         self.steps = 0
+        self.edits = 0  # filled tokens replaced by another token, over the whole generation
 
     def render(self, step: int, gen_G, done: bool) -> str:
         """One frame (without cursor movement): a status line, then the canvas text."""
         parts = []
         prev = self._prev
+        edited = 0
         for i, t in enumerate(gen_G.tolist()):
             if t == self.mask_id:
                 parts.append(MASK_GLYPH)
                 continue
             text = "⏎" if t in self.stop_ids else self.decode([t])
             fresh = prev is not None and prev[i] == self.mask_id
-            parts.append(f"{_BOLD_GREEN}{text}{_RESET}" if fresh else
+            edit = prev is not None and prev[i] != self.mask_id and prev[i] != t
+            edited += edit
+            parts.append(f"{_BOLD_GREEN}{text}{_RESET}" if fresh else f"{_BOLD_YELLOW}{text}{_RESET}" if edit else
                          (f"{_DIM}{text}{_RESET}" if t in self.stop_ids else text))
         masked = int((gen_G == self.mask_id).sum())
-        status = f"step {step + 1:>4}  masked {masked:>4}/{len(gen_G)}" + ("  done" if done else "")
+        status = (f"step {step + 1:>4}  masked {masked:>4}/{len(gen_G)}" + (f"  edited {edited}" if edited else "")
+                  + ("  done" if done else ""))
         body = "".join(parts)
         return status + "\n" + body
 
     def __call__(self, step, gen_BG, blk_B, done_B, active_B):
         self.steps = step + 1
-        if not self.enabled:
-            return
         gen_G = gen_BG[self.row]
+        if self._prev is not None:
+            self.edits += int(((self._prev != self.mask_id) & (self._prev != gen_G)).sum())
+        if not self.enabled:
+            self._prev = gen_G.copy()
+            return
         frame = self.render(step, gen_G, bool(done_B[self.row]))
         out = self.stream
         if self._lines:

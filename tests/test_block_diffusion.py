@@ -151,3 +151,16 @@ def test_block_mode_needs_a_block_causal_model():
         SamplingParams(gen_length=8, block_length=8, cache="dual", editing_threshold=0.5).spec(1, 2)
     with pytest.raises(ValueError, match="strategy 'threshold'"):
         SamplingParams(gen_length=8, block_length=8, cache="block", strategy="credit").spec(1, 2)
+
+
+def test_canvas_view_shows_edits(model):
+    import io
+
+    from dinfer_jax.canvas_view import CanvasView
+    view = CanvasView(CFG.mask_token_id, {CFG.eos_token_id}, stream=io.StringIO(), force=True)
+    p = SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.2, editing_threshold=0.0,
+                       max_post_steps=2)
+    prompt = PROMPTS[2][:8]  # P + G = 24 = 3 blocks: no tail past the generation region, all edits visible
+    r = generate(model, [prompt], p, observer=view)
+    assert r.edits[0] > 0 and view.edits == r.edits[0] and view.steps == r.nfe[0]
+    assert "edited" in view.stream.getvalue() and "\x1b[1;33m" in view.stream.getvalue()
