@@ -1,6 +1,7 @@
 """Denoising-loop overhead and tokens/s per strategy x cache (fp32, CPU).
 
   python bench/bench_loop.py [--configs tiny small] [--repeats 5] [--out bench/loop_results.json]
+  python bench/bench_loop.py --block [--block-configs tiny-block small-block]   # block diffusion rows too
 
 Overhead ratio = seconds of one whole jitted generation / (its full forwards x seconds of one bare
 jitted full forward + its window forwards x seconds of one bare jitted window forward), medians.
@@ -33,8 +34,19 @@ CONFIGS = {
 }
 
 
+# Block diffusion (cache="block") on LLaDA2-shaped models (block-causal, sigmoid group router, shared expert).
+BLOCK_CONFIGS = {
+    "tiny-block": dict(preset="tiny-llada2", batch=2, prompt=24, gen=32, block=8),
+    "small-block": dict(preset="tiny-llada2", batch=2, prompt=32, gen=64, block=16,
+                        overrides=dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                                       rotary_dim=16, intermediate_size=128, dense_intermediate_size=512,
+                                       num_experts=16, num_experts_per_tok=4, vocab_size=2048,
+                                       mask_token_id=2047, eos_token_id=2046, pad_token_id=2046)),
+}
+
+
 def build(name):
-    c = CONFIGS[name]
+    c = {**CONFIGS, **BLOCK_CONFIGS}[name]
     cfg = preset(c["preset"]).replace(**c.get("overrides", {}))
     params = init_params(cfg, seed=0)
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 40.0
@@ -88,15 +100,67 @@ def bare_forwards(model, gen, prompts, sp, repeats):
     return t_full, statistics.mean(times)
 
 
+def block_row(name, repeats):
+    """Overhead of the block-diffusion loop: generation seconds / (one prefill + its B-token window
+    forwards + its 2B-token commit forwards, each timed bare at the loop's shapes), medians."""
+    model, prompts, c = build(name)
+    gen = Generator(model)
+    sp = SamplingParams(gen_length=c["gen"], block_length=c["block"], cache="block", threshold=0.35)
+    gen.generate(prompts, sp)  # compile
+    secs = median_time(lambda: gen.generate(prompts, sp).raw_ids, repeats)
+    prog, args, rows, spec, gen_start = gen._prepare(prompts, sp)
+    _, stats = prog(*args)  # donates the canvas: prepare again below
+    prog, args, rows, spec, gen_start = gen._prepare(prompts, sp)
+    res = gen.generate(prompts, sp)
+    n_commit, n_window = int(stats["nfe_commit"]), int(stats["nfe_window"]) - int(stats["nfe_commit"])
+    params, canvas, pad = args[0], args[1], args[2]
+    B, Lc = canvas.shape
+    Bk = spec.block_length
+    idx = jnp.arange(Lc)
+    pos = jnp.maximum(idx[None] - pad[:, None], 0)
+    km = (idx[None] >= pad[:, None]) & (idx[None] < gen_start + spec.gen_length + Bk)
+    m = model.module.clone(attention_block=Bk)
+    zero = jnp.zeros((B,), jnp.int32)
+    pre = jax.jit(lambda p, x: m.apply({"params": p}, tokens_BS=x[:, :gen_start], positions_BS=pos[:, :gen_start],
+                                       key_mask_BL=km[:, :gen_start], logits_window=(zero, 1)))
+    t_pre = median_time(lambda: pre(params, canvas), repeats)
+    _, kvp = pre(params, canvas)
+    kv = tuple(jnp.zeros((model.config.num_layers, B, Lc) + t.shape[3:], t.dtype).at[:, :, :gen_start].set(t)
+               for t in kvp)
+    start = jnp.full((B,), gen_start, jnp.int32)
+
+    def win(size, back):
+        f = jax.jit(lambda p, x: m.apply(
+            {"params": p}, tokens_BS=jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size))(x, start - back),
+            positions_BS=jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size))(pos, start - back),
+            key_mask_BL=km, kv=kv, window_start=start - back, key_positions_BL=pos,
+            logits_window=(jnp.full((B,), back, jnp.int32), Bk)))
+        return median_time(lambda: f(params, canvas), repeats)
+    t_win, t_commit = win(Bk, 0), win(2 * Bk, Bk)
+    bare = t_pre + n_window * t_win + n_commit * t_commit
+    tokens = int(np.sum(res.raw_ids != model.config.eos_token_id))
+    return dict(config=name, batch=len(prompts), gen=c["gen"], block=c["block"], strategy="threshold", cache="block",
+                seconds=round(secs, 4), tokens_per_s=round(tokens / secs, 1), tpf=round(float(np.mean(res.tpf)), 2),
+                nfe_full=0, nfe_window=n_window + n_commit, nfe_commit=n_commit, prefill_ms=round(t_pre * 1e3, 2),
+                window_fwd_ms=round(t_win * 1e3, 2), commit_fwd_ms=round(t_commit * 1e3, 2),
+                full_fwd_ms=None, overhead=round(secs / bare, 3))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--configs", nargs="*", default=["tiny", "small"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--strategies", nargs="+", default=["fixed", "threshold", "factor", "credit", "hierarchy"])
     ap.add_argument("--caches", nargs="+", default=["none", "prefix", "dual", "vicinity"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--block", action="store_true", help="also the block-diffusion rows (--block-configs)")
+    ap.add_argument("--block-configs", nargs="+", default=list(BLOCK_CONFIGS))
     a = ap.parse_args()
     rows = []
+    if a.block:
+        for name in a.block_configs:
+            rows.append(block_row(name, a.repeats))
+            print(json.dumps(rows[-1]), flush=True)
     print(f"jax {jax.__version__} on {jax.default_backend()}, {jax.device_count()} device(s)")
     for name in a.configs:
         model, prompts, c = build(name)

@@ -50,24 +50,25 @@ def sample_tokens(logits_BSV, knobs, keys_B):
     l = logits_BSV.astype(jnp.float32)
     T = knobs["temperature"][:, None, None]
     greedy = T <= 0
-    lt = jnp.where(greedy, l, l / jnp.where(greedy, 1.0, T))
     V = l.shape[-1]
     k = knobs["top_k"].astype(jnp.int32)[:, None, None]
-    srt = -jnp.sort(-lt, axis=-1)  # descending
-    kth = jnp.take_along_axis(srt, jnp.clip(k - 1, 0, V - 1), axis=-1)
-    lt = jnp.where((k > 0) & (lt < kth), -jnp.inf, lt)
-    probs_sorted = jax.nn.softmax(-jnp.sort(-lt, axis=-1), axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
     top_p = knobs["top_p"][:, None, None]
-    keep_n = jnp.sum((cum - probs_sorted) < top_p, axis=-1, keepdims=True)  # smallest prefix with cum > top_p
-    cut = jnp.take_along_axis(-jnp.sort(-lt, axis=-1), jnp.clip(keep_n - 1, 0, V - 1), axis=-1)
-    lt = jnp.where((top_p < 1.0) & (lt < cut), -jnp.inf, lt)
-    lt = jnp.where(greedy, l, lt)
 
-    def noisy(_):
+    def filtered(_):  # logits / T, then top-k and top-p (only traced work when some row samples)
+        lt = l / jnp.where(greedy, 1.0, T)
+        srt = -jnp.sort(-lt, axis=-1)  # descending
+        kth = jnp.take_along_axis(srt, jnp.clip(k - 1, 0, V - 1), axis=-1)
+        lt = jnp.where((k > 0) & (lt < kth), -jnp.inf, lt)
+        srt = -jnp.sort(-lt, axis=-1)
+        probs_sorted = jax.nn.softmax(srt, axis=-1)
+        cum = jnp.cumsum(probs_sorted, axis=-1)
+        keep_n = jnp.sum((cum - probs_sorted) < top_p, axis=-1, keepdims=True)  # smallest prefix with cum > top_p
+        cut = jnp.take_along_axis(srt, jnp.clip(keep_n - 1, 0, V - 1), axis=-1)
+        lt = jnp.where((top_p < 1.0) & (lt < cut), -jnp.inf, lt)
         g = jax.vmap(lambda key: jax.random.gumbel(key, l.shape[1:], jnp.float32))(keys_B)
-        return lt + jnp.where(greedy, 0.0, g)
-    scores = jax.lax.cond(jnp.any(~greedy), noisy, lambda _: lt, None)
+        return jnp.where(greedy, l, lt), jnp.where(greedy, l, lt + g)
+
+    lt, scores = jax.lax.cond(jnp.any(~greedy), filtered, lambda _: (l, l), None)
     v = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     picked = jnp.take_along_axis(lt, v[..., None], axis=-1)[..., 0]
     p = jnp.exp(picked - jax.nn.logsumexp(lt, axis=-1))
@@ -135,24 +136,27 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
         plain = active & ~commit
         V = cfg.vocab_size
 
-        def window(size, back):
+        def window(size, back, persist):
             def run(_):
                 ws = start_B - back
                 with jax.named_scope("forward_block"):
-                    return module.apply({"params": params}, tokens_BS=window_slice(x, ws, size),
-                                        positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL,
-                                        kv=kv, window_start=ws, key_positions_BL=positions_BL,
-                                        logits_window=(jnp.full((B,), back, jnp.int32), Bk))
+                    logits, kv_new = module.apply(
+                        {"params": params}, tokens_BS=window_slice(x, ws, size),
+                        positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL, kv=kv,
+                        window_start=ws, key_positions_BL=positions_BL,
+                        logits_window=(jnp.full((B,), back, jnp.int32), Bk))
+                if persist is None:
+                    return logits, kv
+                # Only the commit window persists: its previous block is clean, so those K/V are final.
+                return logits, tuple(jnp.where(persist[None, :, None, None, None], a, b) for a, b in zip(kv_new, kv))
             return run
 
         def skip(_):
             return jnp.zeros((B, Bk, V), jnp.float32), kv
 
-        logits_c, kv_c = jax.lax.cond(jnp.any(commit), window(2 * Bk, Bk), skip, None)
-        logits_p, _ = jax.lax.cond(jnp.any(plain), window(Bk, 0), skip, None)
+        logits_c, kv = jax.lax.cond(jnp.any(commit), window(2 * Bk, Bk, commit), skip, None)
+        logits_p, _ = jax.lax.cond(jnp.any(plain), window(Bk, 0, None), skip, None)
         logits = jnp.where(commit[:, None, None], logits_c, logits_p)
-        # Only the commit window persists: its previous block is clean, so those K/V are final.
-        kv = tuple(jnp.where(commit[None, :, None, None, None], a, b) for a, b in zip(kv_c, kv))
 
         with jax.named_scope("strategy"):
             x_blk = window_slice(x, start_B, Bk)
