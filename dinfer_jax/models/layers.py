@@ -73,6 +73,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # pallas_kernels.attention.IMPLS
+    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None,
@@ -101,7 +102,7 @@ class Attention(nn.Module):
             if block_size and k_pos.shape[1] != k.shape[1]:
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
             o_BSNH = attention(q, k, v, key_mask_BL, q_pos_BS=positions_BS, k_pos_BL=k_pos, block_size=block_size,
-                               impl=self.attention_impl)
+                               impl=self.attention_impl, platform=self.platform)
         return jnp.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 

@@ -43,18 +43,19 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
     mesh: Any = None  # sharding.make_mesh(...): activations pinned by logical axes, MoE expert-parallel
+    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, stacked_experts=None):
         """stacked_experts: see MoE.__call__ (MoE layers only)."""
         c = self.cfg
-        a, new_kv = Attention(c, self.dtype, self.attention_impl, name="attn")(
+        a, new_kv = Attention(c, self.dtype, self.attention_impl, self.platform, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
             positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
         h = constrain(x_BSD + a, ACT_AXES, self.mesh)
         m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
         if c.is_moe:
-            y = MoE(c, self.moe_impl, self.dtype, self.mesh, name="mlp")(m, stacked_experts)
+            y = MoE(c, self.moe_impl, self.dtype, self.mesh, self.platform, name="mlp")(m, stacked_experts)
         else:
             y = MLP(c, self.dtype, name="mlp")(m)
         new_kv = tuple(constrain(t, KV_AXES, self.mesh) for t in new_kv)
@@ -78,6 +79,7 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
     mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with sharding.param_shardings)
+    platform: str | None = None  # compile target: "cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None = jax.default_backend()
 
     def setup(self):
         c = self.cfg
@@ -88,7 +90,7 @@ class Transformer(nn.Module):
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast), length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.moe_impl, self.dtype, self.attention_impl, self.mesh)
+        )(c, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.platform)
         self.final_norm = RMSNorm(c.rms_norm_eps, "embed", self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
@@ -99,7 +101,8 @@ class Transformer(nn.Module):
         The expert slices it is also handed go unused, so XLA drops them."""
         stacked = self.variables["params"]["layers"]
         experts = {k: stacked["mlp"][k] for k in ("gate_proj", "up_proj", "down_proj")}
-        layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, parent=None)
+        layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.platform,
+                             parent=None)
 
         def body(x, xs):
             i, kv_i = xs
@@ -122,7 +125,7 @@ class Transformer(nn.Module):
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         with jax.named_scope("layers"):
-            if self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh) and not self.is_initializing():
+            if self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh, self.platform) and not self.is_initializing():
                 x, new_kv = self._layers_reading_stacked_experts(x, positions_BS, key_mask_BL, kv, window_start,
                                                                  kv_write_BS)
             else:
