@@ -59,10 +59,12 @@ class ExportReport:
                     mib=round(self.bytes / 2**20, 2), lower_s=round(self.seconds, 2))
 
 
-def gpu_target(device_kind: str = GPU_DEVICE_KIND):
+def gpu_target(device_kind: str = GPU_DEVICE_KIND, mesh=None):
     """Context naming an abstract GPU so Triton kernels lower on a host without one (newer jax needs
-    the compute capability; 0.10 reads it only from a real device and lowers without)."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
+    the compute capability; 0.10 reads it only from a real device and lowers without). Not with a
+    multi-device mesh: shard_map requires the context mesh to be that mesh (whose devices here are
+    CPUs), so there newer jax cannot lower Triton off-GPU (see README, Accelerator status)."""
+    if not hasattr(jax.sharding, "AbstractDevice") or (mesh is not None and mesh.size > 1):
         return contextlib.nullcontext()
     dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("gpu_target",), axis_types=(jax.sharding.AxisType.Auto,),
@@ -138,7 +140,7 @@ def export_generate(cfg: ModelConfig, platform: str, *, batch: int = 1, prompt_l
     sds = jax.tree_util.tree_map(lambda x: _abstract(x, model.mesh is not None), args)
     gpu = platform in ("cuda", "rocm")
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_DISABLED_CHECK)] if gpu else []
-    with gpu_target() if gpu else contextlib.nullcontext():
+    with gpu_target(mesh=model.mesh) if gpu else contextlib.nullcontext():
         t = time.perf_counter()
         exp = export.export(prog, platforms=[platform], disabled_checks=checks)(*sds)
         seconds = time.perf_counter() - t

@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, stacked_experts=None):
         """stacked_experts: see MoE.__call__ (MoE layers only)."""
         c = self.cfg
-        a, new_kv = Attention(c, self.dtype, self.attention_impl, self.platform, name="attn")(
+        a, new_kv = Attention(c, self.dtype, self.attention_impl, self.mesh, self.platform, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
             positions_BS, key_mask_BL, kv, window_start, kv_write_BS)
         h = constrain(x_BSD + a, ACT_AXES, self.mesh)

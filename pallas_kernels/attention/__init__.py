@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention.kernel import BlockSizes, flash_attention
 from pallas_kernels.attention.reference import allowed_mask, attention_reference
@@ -65,10 +66,13 @@ def _cudnn(q_BSNH, k_BLKH, v_BLKH, allowed):
 
 def attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_BL=None, block_size: int = 0,
               impl: str = "auto", block_sizes: BlockSizes | None = None, interpret: bool | None = None,
-              platform: str | None = None):
+              platform: str | None = None, mesh=None, batch_axes: tuple = (), head_axes: tuple = ()):
     """(B,S,N,H) queries over (B,L,K,H) keys/values -> (B,S,N,H). key_mask_BL: True = attend;
     block_size > 0: block-causal over q_pos_BS (B,S) / k_pos_BL (B,L) (reference.allowed_mask).
-    platform: the compile target (module doc); interpret: None = only when the target is CPU."""
+    platform: the compile target (module doc); interpret: None = only when the target is CPU.
+    mesh: a multi-device mesh the inputs are sharded over: the Pallas kernel (which GSPMD cannot
+    partition) then runs per shard in a shard_map, rows split over `batch_axes`, query and kv heads
+    over `head_axes` (K must divide by their size; each shard keeps whole GQA groups)."""
     platform = target_platform(platform)
     impl = resolve_impl(impl, platform)
     mask_kw = dict(q_pos_BS=q_pos_BS, k_pos_BL=k_pos_BL, block_size=block_size)
@@ -76,8 +80,22 @@ def attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_
         return attention_reference(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, **mask_kw)
     if impl == "cudnn":
         return _cudnn(q_BSNH, k_BLKH, v_BLKH, allowed_mask(q_BSNH.shape, key_mask_BL, **mask_kw))
+    if block_size and (q_pos_BS is None or k_pos_BL is None):
+        raise ValueError("block-causal attention needs q_pos_BS and k_pos_BL")
     backend = "gpu" if platform in _GPU else "tpu"
     if interpret is None:
         interpret = platform == "cpu"
-    return flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, **mask_kw, block_sizes=block_sizes or BlockSizes(),
-                           backend=backend, interpret=interpret)
+    B, S, L = q_BSNH.shape[0], q_BSNH.shape[1], k_BLKH.shape[1]
+    mask = jnp.ones((B, L), bool) if key_mask_BL is None else key_mask_BL
+    q_pos = jnp.zeros((B, S), jnp.int32) if q_pos_BS is None else q_pos_BS
+    k_pos = jnp.zeros((B, L), jnp.int32) if k_pos_BL is None else k_pos_BL
+
+    def run(q, k, v, m, qp, kp):
+        return flash_attention(q, k, v, m, q_pos_BS=qp, k_pos_BL=kp, block_size=block_size,
+                               block_sizes=block_sizes or BlockSizes(), backend=backend, interpret=interpret)
+    if mesh is not None and mesh.size > 1:
+        rows, heads = (tuple(batch_axes) or None), (tuple(head_axes) or None)
+        qkv, per_row = P(rows, None, heads, None), P(rows, None)
+        run = jax.shard_map(run, mesh=mesh, in_specs=(qkv, qkv, qkv, per_row, per_row, per_row), out_specs=qkv,
+                            check_vma=False)
+    return run(q_BSNH, k_BLKH, v_BLKH, mask, q_pos, k_pos)
