@@ -21,7 +21,8 @@ its P@V result is kept on its own lanes. The output goes back through the invers
 
 TPU ("tpu", Mosaic): grid (B, K/P, S_pad/bq, L_pad/bkv), the last axis "arbitrary" (a reduction
 over kv tiles with fp32 running max / sum / accumulator in VMEM scratch), the others "parallel";
-VMEM holds O(bq*W + bkv*W) per step whatever L is (32k caches fit).
+VMEM holds O(bq*W + bkv*W) per step whatever L is (32k caches fit); the cache is not padded (a
+partial last kv tile is masked in-kernel), so a forward reads it once and copies none of it.
 GPU ("gpu", Triton): grid (B, K, S_pad/bq) (P = 1), each program streams the kv tiles of its head
 with a fori_loop over the full-length ref; Triton needs every in-kernel array power-of-2 sized, so
 bq, bkv are powers of two (>= 16 for tl.dot), and H and G must be too.
@@ -82,13 +83,14 @@ def heads_per_block(K: int, H: int, backend: str) -> int:
 
 
 def tiles(S: int, L: int, block_sizes: BlockSizes, backend: str):
-    """(bq, bkv, S_pad, L_pad) for this backend (see module doc)."""
+    """(bq, bkv, S_pad, L_pad) for this backend (see module doc). On TPU a cache of L <= block_kv is
+    one whole-length tile (legal whatever L is), else block_kv tiles with a partial last one."""
     if backend == "gpu":
         bq = min(_pow2_floor(block_sizes.block_q), _pow2_ceil(max(S, 16)))
         bkv = min(_pow2_floor(block_sizes.block_kv), _pow2_ceil(max(L, 16)))
     else:
         bq = min(block_sizes.block_q, _round_up(S, 16))
-        bkv = min(block_sizes.block_kv, _round_up(L, 16))
+        bkv = min(block_sizes.block_kv, L)
     return bq, bkv, _round_up(S, bq), _round_up(L, bkv)
 
 
@@ -130,9 +132,10 @@ def _finish(acc, l, *, P: int, H: int):
     return acc / denom
 
 
-def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H):
+def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H, L):
     """Grid (b, j, i, t): q/o (G, bq, W), k/v (bkv, W), qblk (bq, 1), kinfo (2, bkv);
-    scratch m, l (G*P, bq, 1), acc (G, bq, W)."""
+    scratch m, l (G*P, bq, 1), acc (G, bq, W). L: the cache length; when the last kv tile runs past
+    it (the cache is not padded: no copy), its rows past L hold unspecified values and are zeroed."""
     if len(refs) == 5:  # pre-poisoned output (tests): its aliased input ref comes first
         refs = refs[1:]
     o_ref, m_ref, l_ref, acc_ref = refs
@@ -145,6 +148,11 @@ def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     k, v, qblk, kblk, kvalid = k_ref[...], v_ref[...], qblk_ref[...], kinfo_ref[0:1, :], kinfo_ref[1:2, :]
+    bkv = k.shape[0]
+    if L % bkv:
+        inside = t * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0) < L
+        k = jnp.where(inside, k, jnp.zeros_like(k))
+        v = jnp.where(inside, v, jnp.zeros_like(v))
     for g in range(G):
         q = q_ref[g].astype(jnp.float32) * scale
         m = tuple(m_ref[g * P + p] for p in range(P))
@@ -241,9 +249,13 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
     # Queries (small): (B,S,N,H) -> (B, K/P, G, S_pad, W); n = (j*P + p)*G + g.
     q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
     q = q.reshape(B, S_pad, K // P, P, G, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, K // P, G, S_pad, W)
-    # The cache (large): only a free reshape, plus a pad when L is not a multiple of the kv tile.
-    k = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0))).reshape(B, L_pad, K * H)
-    v = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0))).reshape(B, L_pad, K * H)
+    # The cache (large): a free reshape on TPU (the partial last tile is masked in-kernel); the Triton
+    # path pads it to a multiple of its power-of-2 kv tile (a copy when L is not one).
+    if backend == "gpu":
+        k_BLKH = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
+        v_BLKH = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
+    k = k_BLKH.reshape(B, k_BLKH.shape[1], K * H)
+    v = v_BLKH.reshape(B, v_BLKH.shape[1], K * H)
     valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
     valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
     if block_size:
@@ -263,7 +275,7 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
         kv_spec = pl.BlockSpec((None, bkv, W), lambda b, j, i, t: (b, t, j))
         in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, bq, 1), lambda b, j, i, t: (b, i, 0)),
                     pl.BlockSpec((None, 2, bkv), lambda b, j, i, t: (b, 0, t))]
-        kernel = functools.partial(_tpu_kernel, scale=scale, G=G, P=P, H=H)
+        kernel = functools.partial(_tpu_kernel, scale=scale, G=G, P=P, H=H, L=L)
         scratch = [pltpu.VMEM((G * P, bq, 1), jnp.float32), pltpu.VMEM((G * P, bq, 1), jnp.float32),
                    pltpu.VMEM((G, bq, W), jnp.float32)]
         params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
