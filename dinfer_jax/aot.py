@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core.{Jaxpr, ClosedJaxpr} for the jaxpr walk)
 import jax.numpy as jnp
 import numpy as np
 
