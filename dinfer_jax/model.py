@@ -34,14 +34,29 @@ class Model:
     moe_impl: str = "auto"
     attention_impl: str = "auto"
     mesh: Any = None
+    platform: str | None = None  # compile target for kernel choice; None = where the params live
 
     def with_mesh(self, mesh) -> "Model":
         """The same model with params placed on `mesh` (ShardingError if the mesh does not fit)."""
         if mesh is None:
-            return Model(self.config, self.params, self.moe_impl, self.attention_impl)
+            return Model(self.config, self.params, self.moe_impl, self.attention_impl, None, self.platform)
         shd.check_mesh_fits(self.config, mesh)
         flat = shd.shard_params(flatten(self.params), self.config, mesh)
-        return Model(self.config, unflatten(flat), self.moe_impl, self.attention_impl, mesh)
+        return Model(self.config, unflatten(flat), self.moe_impl, self.attention_impl, mesh, self.platform)
+
+    @property
+    def target_platform(self) -> str:
+        """The platform kernels are chosen for: `platform`, else that of the params' devices (the
+        mesh's for abstract params), else jax.default_backend()."""
+        if self.platform is not None:
+            return self.platform
+        leaf = jax.tree_util.tree_leaves(self.params)[0]
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].platform
+        return jax.default_backend()
 
     @property
     def dtype(self):
@@ -50,7 +65,7 @@ class Model:
     @functools.cached_property
     def module(self) -> Transformer:
         return Transformer(self.config, moe_impl=self.moe_impl, dtype=self.dtype, attention_impl=self.attention_impl,
-                           mesh=self.mesh)
+                           mesh=self.mesh, platform=self.target_platform)
 
     @functools.cached_property
     def _forward(self):

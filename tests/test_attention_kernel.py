@@ -29,25 +29,59 @@ def _inputs(seed, B, S, L, N, K, H, dtype, pad=None):
     return q, k, v, mask
 
 
+def _positions(seed, B, S, L):
+    """Window queries at random per-row offsets into an L-long canvas; keys at 0..L-1."""
+    starts = np.random.RandomState(seed).randint(0, L - S + 1, B)
+    q_pos = jnp.asarray(starts[:, None] + np.arange(S)[None, :], jnp.int32)
+    return q_pos, jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+
+
 def _rel(out, ref):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("B,S,L,N,K,H,pad,bs", [
-    (2, 16, 64, 4, 4, 64, None, BlockSizes(8, 16)),       # block window over a cache, MHA
-    (2, 13, 70, 4, 2, 64, [0, 9], BlockSizes(8, 32)),     # non-multiple S and L, padded keys, GQA 2
-    (1, 24, 24, 8, 2, 128, [5], BlockSizes(16, 8)),       # full-sequence case (S == L), GQA 4, H 128
-    (3, 8, 40, 4, 1, 32, [0, 3, 39], BlockSizes(8, 16)),  # MQA; one row with a single valid key
-])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_matches_reference(B, S, L, N, K, H, pad, bs, dtype):
+# Each case runs on both kernel bodies (Mosaic-TPU grid with a kv reduction axis and VMEM scratch;
+# Triton fori_loop over kv tiles), block-causal (block_size) or not; the tile sizes force several
+# q and kv tiles, and S / L that are not tile multiples.
+CASES = [
+    # B, S, L, N, K, H, pad, block_size, BlockSizes
+    (2, 16, 300, 4, 4, 64, None, 0, BlockSizes(8, 128)),       # MHA, H 64: 2 kv heads per 128-lane block
+    (2, 13, 270, 4, 2, 64, [0, 9], 8, BlockSizes(8, 128)),     # odd S and L, padded keys, GQA 2, block-causal
+    (1, 24, 200, 8, 2, 128, [5], 32, BlockSizes(16, 128)),     # GQA 4:1 (LLaDA2 ratio), H 128, block-causal
+    (3, 8, 140, 4, 1, 32, [0, 3, 140], 0, BlockSizes(8, 128)), # MQA; one row with one valid key, one fully masked
+]
+
+
+@pytest.mark.parametrize("B,S,L,N,K,H,pad,block_size,bs,dtype,backend", [
+    c + (jnp.float32, backend) for c in CASES for backend in ("tpu", "gpu")] + [
+    c + (jnp.bfloat16, "tpu") for c in CASES[1:3]])  # bf16: the kernel's casts; one body suffices
+def test_kernel_matches_reference(B, S, L, N, K, H, pad, block_size, bs, dtype, backend):
     q, k, v, mask = _inputs(B * 100 + S, B, S, L, N, K, H, dtype, pad)
-    out = flash_attention(q, k, v, mask, block_sizes=bs, interpret=True, poison_output=True)
-    ref = attention_reference(q, k, v, mask)
+    q_pos, k_pos = _positions(S, B, S, L)
+    kw = dict(q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=block_size)
+    out = flash_attention(q, k, v, mask, **kw, block_sizes=bs, backend=backend, interpret=True, poison_output=True)
+    ref = attention_reference(q, k, v, mask, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert _rel(out, ref) <= TOL[dtype]
+
+
+def test_fully_masked_rows_give_the_reference_uniform_average():
+    """A row whose every key is masked (padding, or block-causal with no earlier key) averages V
+    over the L real keys like the reference; tile-padding keys never count."""
+    B, S, L, N, K, H = 2, 8, 150, 2, 1, 16
+    q, k, v, _ = _inputs(3, B, S, L, N, K, H, jnp.float32)
+    mask = jnp.stack([jnp.zeros(L, bool), jnp.arange(L) >= 100])  # row 0: nothing; row 1: keys >= 100
+    q_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))  # row 1 queries: block 0, keys >= 100 later
+    k_pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    kw = dict(q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=16)
+    ref = attention_reference(q, k, v, mask, **kw)
+    np.testing.assert_allclose(ref, jnp.broadcast_to(v.mean(1)[:, None], ref.shape), rtol=1e-5, atol=1e-6)
+    for backend in ("tpu", "gpu"):
+        out = flash_attention(q, k, v, mask, **kw, block_sizes=BlockSizes(8, 128), backend=backend,
+                              interpret=True, poison_output=True)
+        assert _rel(out, ref) <= 1e-5, backend
 
 
 def test_dispatcher_impls_agree():
@@ -55,18 +89,45 @@ def test_dispatcher_impls_agree():
     ref = attention(q, k, v, mask, impl="reference")
     for impl in ("xla", "pallas"):
         assert _rel(attention(q, k, v, mask, impl=impl, interpret=True), ref) <= 1e-5, impl
+    q_pos, k_pos = _positions(1, 2, 8, 32)
+    kw = dict(q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=4)
+    ref = attention(q, k, v, mask, impl="reference", **kw)
+    assert _rel(attention(q, k, v, mask, impl="pallas", interpret=True, **kw), ref) <= 1e-5
+
+
+def test_auto_and_interpret_follow_the_target_platform(monkeypatch):
+    """"auto" -> "pallas" on TPU/GPU targets and "xla" on CPU; the kernel is interpreted only for a CPU
+    target: a TPU target on this CPU host calls flash_attention with interpret=False."""
+    import pallas_kernels.attention as attn
+    assert [attn.resolve_impl("auto", p) for p in ("cpu", "tpu", "cuda", "gpu")] == ["xla", "pallas", "pallas", "pallas"]
+    seen = []
+    monkeypatch.setattr(attn, "flash_attention", lambda *a, **kw: seen.append((kw["backend"], kw["interpret"])) or a[0])
+    q, k, v, _ = _inputs(0, 1, 8, 16, 4, 2, 16, jnp.float32)
+    for platform in ("tpu", "cuda", "cpu"):
+        attn.attention(q, k, v, impl="auto", platform=platform)
+    assert seen == [("tpu", False), ("gpu", False)]
+    attn.attention(q, k, v, impl="pallas", platform="cpu")
+    attn.attention(q, k, v, impl="pallas", platform="tpu", interpret=True)
+    assert seen[2:] == [("tpu", True), ("tpu", True)]
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        attn.attention(q, k, v, platform="metal")
 
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(H=12), r"head_dim=12 is not supported"),
     (dict(K=3), "4 query heads is not a multiple of 3 kv heads"),
-    (dict(bs=BlockSizes(12, 16)), r"BlockSizes.block_q=12 must be a positive multiple of 8"),
+    (dict(bs=BlockSizes(12, 128)), r"BlockSizes.block_q=12 must be a positive multiple of 8"),
+    (dict(bs=BlockSizes(8, 64)), r"BlockSizes.block_kv=64 must be a positive multiple of 128"),
+    (dict(block_size=4), r"block-causal attention \(block_size > 0\) needs q_pos_BS and k_pos_BL"),
+    (dict(backend="gpu", N=6), r"Triton path needs a power-of-2 number of query heads per kv head, got 6/2"),
+    (dict(backend="cuda"), r"backend 'cuda' is not one of \('tpu', 'gpu'\)"),
 ])
 def test_clear_errors(kw, msg):
-    H, K, bs = kw.get("H", 16), kw.get("K", 2), kw.get("bs", BlockSizes(8, 8))
-    q, k, v, _ = _inputs(0, 1, 8, 16, 4, K, H, jnp.float32)
+    H, K, N, bs = kw.get("H", 16), kw.get("K", 2), kw.get("N", 4), kw.get("bs", BlockSizes(8, 128))
+    q, k, v, _ = _inputs(0, 1, 8, 16, N, K, H, jnp.float32)
     with pytest.raises(ValueError, match=msg):
-        flash_attention(q, k, v, block_sizes=bs, interpret=True)
+        flash_attention(q, k, v, block_sizes=bs, block_size=kw.get("block_size", 0),
+                        backend=kw.get("backend", "tpu"), interpret=True)
 
 
 def test_unknown_impl():

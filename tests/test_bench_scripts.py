@@ -82,3 +82,18 @@ def test_profile_forward_tiny(tmp_path):
     assert res["forward_ms"] > 0 and len(res["ops"]) > 5
     assert all(v["ms"] >= 0 and v["calls"] > 0 for v in res["ops"].values())
     assert "| op | ms / forward | calls / forward | share |" in r.stdout
+
+
+@pytest.mark.smoke
+def test_tpu_bench_tiny_on_cpu(tmp_path):
+    """The TPU benchmark script (ready for a lent TPU): the AOT export step finds Mosaic kernels and
+    no interpreted one; the kernel and end-to-end parts run at tiny shapes."""
+    env = {**os.environ, "OUT": str(tmp_path), "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "tpu", "run.sh"), "--tiny", "--repeats", "2"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "aot_tpu.json").read_text())
+    assert [r["cache"] for r in rows] == ["none", "dual"]
+    assert all(r["mosaic_calls"] >= 1 and r["interpreted"] == 0 for r in rows)
+    assert "| attention | pallas |" in r.stdout and '"error"' not in r.stdout
+    assert (tmp_path / "e2e_bench.json").is_file()

@@ -130,7 +130,7 @@ def test_layers_read_stacked_experts_in_place(rng, monkeypatch):
         return [np.asarray(a) for a in (logits, *kv, wl, *wkv)], temp
 
     in_place, temp_in_place = run()
-    monkeypatch.setattr(tr, "reads_stacked_experts", lambda impl, mesh: False)
+    monkeypatch.setattr(tr, "reads_stacked_experts", lambda impl, mesh, platform=None: False)
     scanned, temp_scanned = run()
     for a, b in zip(in_place, scanned):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())

@@ -1,7 +1,7 @@
 """Attention and MoE layer timings: our Pallas kernel vs jax.nn.dot_product_attention (cuDNN) vs
 the XLA reference; MoE expert paths (ragged_dot, tiled scan, dense einsum; the Pallas GMM on TPU).
 
-  python bench/gpu/kernels_bench.py            # LLaDA-MoE shapes: S=64, L=1024..4096, N=K=16, H=128, bf16
+  python bench/gpu/kernels_bench.py            # LLaDA-MoE windows S=64 over L=1k..32k (N=K=16, H=128), GQA 16/4 block-causal, bf16
   python bench/gpu/kernels_bench.py --tiny     # tiny shapes, runs anywhere (Pallas in interpret mode on CPU)
 
 Prints one JSON line per measurement and a markdown table; medians of --repeats timed calls after
@@ -32,31 +32,39 @@ def attention_rows(tiny: bool, repeats: int):
     from pallas_kernels.attention import BlockSizes, attention
     on_accel = jax.default_backend() in ("gpu", "tpu")
     dtype = jnp.bfloat16
-    shapes = [(1, 8, 32, 4, 4, 16)] if tiny else [(B, 64, L, 16, 16, 128) for B in (1, 8) for L in (1024, 2048, 4096)]
+    # (B, S, L, N, K, H, block_size): LLaDA-MoE windows over caches up to 32k; LLaDA2-style GQA 16/4
+    # with the block-causal mask (block 32).
+    shapes = ([(1, 8, 160, 4, 2, 16, 0), (1, 8, 160, 4, 2, 16, 4)] if tiny else
+              [(B, 64, L, 16, 16, 128, 0) for B in (1, 8) for L in (1024, 4096, 32768)]
+              + [(B, 32, 4096, 16, 4, 128, 32) for B in (1, 16)])
     impls = ["xla", "pallas"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
     rows = []
-    for B, S, L, N, K, H in shapes:
+    for B, S, L, N, K, H, block_size in shapes:
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (B, S, N, H), dtype)
         k = jax.random.normal(ks[1], (B, L, K, H), dtype)
         v = jax.random.normal(ks[2], (B, L, K, H), dtype)
         mask = jnp.arange(L)[None, :] >= jnp.arange(B)[:, None] * 7
+        k_pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        q_pos = k_pos[:, L - S:]  # the window is the last S positions
         ref = None
         for impl in impls:
-            f = jax.jit(lambda q, k, v, m, impl=impl: attention(
-                q, k, v, m, impl=impl, block_sizes=BlockSizes(64 if not tiny else 8, 128 if not tiny else 16),
+            f = jax.jit(lambda q, k, v, m, impl=impl, bsz=block_size: attention(
+                q, k, v, m, q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=bsz, impl=impl,
+                block_sizes=BlockSizes(64 if not tiny else 8, 512 if not tiny else 128),
                 interpret=None if on_accel else True))
             try:
                 out = f(q, k, v, mask)
                 ms = median_ms(f, q, k, v, mask, repeats=repeats)
             except Exception as e:  # a backend that cannot run here: record why, keep going
-                rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, H=H, error=str(e)[:200]))
+                rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size,
+                                 error=str(e)[:200]))
                 continue
             if ref is None:
                 ref = out
             err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
             bytes_moved = 2 * (q.size + 2 * k.size + q.size)
-            rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, H=H, ms=round(ms, 4),
+            rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size, ms=round(ms, 4),
                              GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_first=round(err, 5)))
     return rows
 
@@ -94,7 +102,7 @@ def main():
         print(json.dumps(r))
     print("\n| op | impl | shape | ms | note |\n|---|---|---|---|---|")
     for r in rows:
-        shape = (f"B{r['B']} S{r['S']} L{r['L']} N{r['N']} H{r['H']}" if r["op"] == "attention"
+        shape = (f"B{r['B']} S{r['S']} L{r['L']} N{r['N']} K{r['K']} H{r['H']} blk{r['bs']}" if r["op"] == "attention"
                  else f"T{r['T']} D{r['D']} F{r['F']} E{r['E']} X{r['X']}")
         note = r.get("error") or (f"{r['GBps']} GB/s, rel err {r['rel_err_vs_first']}" if r["op"] == "attention"
                                   else f"{r['useful_TFLOPs']} useful TFLOP/s")

@@ -5,6 +5,8 @@ layers read only `ModelConfig` fields, never a model family.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,15 @@ def rotary_embedding(x_BSnH, positions_BS, theta: float, rotary_dim: int):
     return rot.astype(x_BSnH.dtype)
 
 
+def _shard_kw(mesh, kv_shape):
+    """attention()'s shard_map arguments for (B, L, K, H) keys on `mesh` (sharding.LOGICAL_RULES)."""
+    if mesh is None or mesh.size == 1:
+        return {}
+    from dinfer_jax.sharding import batch_axes
+    heads = ("model",) if mesh.shape["model"] > 1 and kv_shape[2] % mesh.shape["model"] == 0 else ()
+    return dict(mesh=mesh, batch_axes=batch_axes(kv_shape[0], mesh), head_axes=heads)
+
+
 class Attention(nn.Module):
     """Bidirectional multi-head attention with GQA, optional per-head q/k RMSNorm, and RoPE.
 
@@ -73,6 +84,8 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # pallas_kernels.attention.IMPLS
+    mesh: Any = None  # multi-device mesh: the Pallas kernel runs per shard (rows over batch axes, heads over model)
+    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None,
@@ -101,7 +114,7 @@ class Attention(nn.Module):
             if block_size and k_pos.shape[1] != k.shape[1]:
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
             o_BSNH = attention(q, k, v, key_mask_BL, q_pos_BS=positions_BS, k_pos_BL=k_pos, block_size=block_size,
-                               impl=self.attention_impl)
+                               impl=self.attention_impl, platform=self.platform, **_shard_kw(self.mesh, k.shape))
         return jnp.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 

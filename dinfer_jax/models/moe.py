@@ -18,10 +18,12 @@ Expert paths that must agree (tests/test_moe.py checks each against a per-expert
 - "pallas": the same sort, then pallas_kernels.moe's megablox-style grouped-matmul Pallas kernel
             (`gmm`, Mosaic; the default on TPU). Off TPU it runs in the Pallas interpreter
             (slow; for tests).
-"auto" picks by platform: "pallas" on TPU, "ragged" on GPU, "tiled" on CPU.
+"auto" picks by the target platform (MoE.platform; None = jax.default_backend()): "pallas" on TPU,
+"ragged" on GPU, "tiled" on CPU.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -30,16 +32,18 @@ import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import MLP, param
+from pallas_kernels.attention import target_platform
 from pallas_kernels.moe import swiglu_experts_gmm, swiglu_experts_tiled
 
 MOE_IMPLS = ("auto", "ragged", "tiled", "pallas", "dense")
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """The concrete expert path for `impl` on the target platform (None = jax.default_backend())."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {MOE_IMPLS}")
     if impl == "auto":
-        return {"tpu": "pallas", "cpu": "tiled"}.get(jax.default_backend(), "ragged")
+        return {"tpu": "pallas", "cpu": "tiled"}.get(target_platform(platform), "ragged")
     return impl
 
 
@@ -140,11 +144,11 @@ def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
-def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
+def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD, platform=None):
     """Dropless sorted path with the Pallas grouped-matmul kernel (same result as `experts_dense`);
-    interpreted off TPU."""
+    interpreted unless the target platform (None = jax.default_backend()) is TPU."""
     E = w_gate_EDF.shape[0]
-    interpret = jax.default_backend() != "tpu"
+    interpret = target_platform(platform) != "tpu"
 
     def swiglu(x_sorted, flat_experts):
         group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
@@ -152,10 +156,10 @@ def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
-def reads_stacked_experts(impl: str, mesh) -> bool:
+def reads_stacked_experts(impl: str, mesh, platform: str | None = None) -> bool:
     """Whether this expert path reads its weights from the layer-stacked params in place (see
     MoE.__call__'s stacked_experts): the tiled path on one device."""
-    return resolve_impl(impl) == "tiled" and (mesh is None or mesh.size == 1)
+    return resolve_impl(impl, platform) == "tiled" and (mesh is None or mesh.size == 1)
 
 
 class MoE(nn.Module):
@@ -170,6 +174,7 @@ class MoE(nn.Module):
     impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     mesh: Any = None  # a ("data", "expert", "model") Mesh: expert parallelism (models/expert_parallel.py)
+    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
     def __call__(self, x_BSD, stacked_experts=None):
@@ -184,9 +189,9 @@ class MoE(nn.Module):
         wd = param(self, "down_proj", (E, F, D), ("expert", "mlp", "embed"), self.dtype)
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        impl = resolve_impl(self.impl)
-        fn = {"ragged": experts_ragged, "tiled": experts_tiled, "pallas": experts_pallas,
-              "dense": experts_dense}[impl]
+        impl = resolve_impl(self.impl, self.platform)
+        fn = {"ragged": experts_ragged, "tiled": experts_tiled,
+              "pallas": functools.partial(experts_pallas, platform=self.platform), "dense": experts_dense}[impl]
         if self.mesh is not None and self.mesh.size > 1:
             from dinfer_jax.models.expert_parallel import moe_expert_parallel
             from dinfer_jax.sharding import batch_axes

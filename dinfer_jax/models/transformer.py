@@ -54,13 +54,14 @@ class DecoderLayer(nn.Module):
     mesh: Any = None  # sharding.make_mesh(...): activations pinned by logical axes, MoE expert-parallel
     block_size: int = 0  # > 0: block-causal attention
     dense_ffn: bool = False
+    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL=None,
                  stacked_experts=None):
         """stacked_experts: see MoE.__call__ (MoE layers only)."""
         c = self.cfg
-        a, new_kv = Attention(c, self.dtype, self.attention_impl, name="attn")(
+        a, new_kv = Attention(c, self.dtype, self.attention_impl, self.mesh, self.platform, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
             positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL, self.block_size)
         h = constrain(x_BSD + a, ACT_AXES, self.mesh)
@@ -68,7 +69,7 @@ class DecoderLayer(nn.Module):
         if self.dense_ffn:
             y = MLP(c, self.dtype, c.dense_intermediate_size, name="mlp")(m)
         elif c.is_moe:
-            y = MoE(c, self.moe_impl, self.dtype, self.mesh, name="mlp")(m, stacked_experts)
+            y = MoE(c, self.moe_impl, self.dtype, self.mesh, self.platform, name="mlp")(m, stacked_experts)
         else:
             y = MLP(c, self.dtype, name="mlp")(m)
         new_kv = tuple(constrain(t, KV_AXES, self.mesh) for t in new_kv)
@@ -96,6 +97,7 @@ class Transformer(nn.Module):
     attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
     mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with sharding.param_shardings)
     attention_block: int = 0  # block-causal models: attention block size (0: cfg.block_size)
+    platform: str | None = None  # compile target: "cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None = jax.default_backend()
 
     @property
     def block_size(self) -> int:
@@ -109,7 +111,8 @@ class Transformer(nn.Module):
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size, dense_ffn)
+        )(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size, dense_ffn,
+          self.platform)
 
     def setup(self):
         c = self.cfg
@@ -131,6 +134,7 @@ class Transformer(nn.Module):
         stacked = self.variables["params"]["layers"]
         experts = {k: stacked["mlp"][k] for k in ("gate_proj", "up_proj", "down_proj")}
         layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size,
+                             False, self.platform,
                              parent=None)
 
         def body(x, xs):
@@ -162,7 +166,8 @@ class Transformer(nn.Module):
             if k0:
                 x, dense_kv = self.dense_layers(x, positions_BS, key_mask_BL, kv_dense, window_start, kv_write_BS,
                                                 key_positions_BL)
-            if self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh) and not self.is_initializing():
+            if (self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh, self.platform)
+                    and not self.is_initializing()):
                 x, new_kv = self._layers_reading_stacked_experts(x, positions_BS, key_mask_BL, kv, window_start,
                                                                  kv_write_BS, key_positions_BL)
             else:

@@ -5,20 +5,48 @@ block-causal (`block_size > 0`, over per-row query/key positions), with a key-pa
   "xla" / "reference": pallas_kernels.attention.reference (pure-JAX einsums compiled by XLA,
                fp32 scores/softmax/accumulation) -- the reference every kernel is tested against;
   "cudnn":     jax.nn.dot_product_attention(implementation="cudnn") (GPU only; for benchmarks);
-  "pallas":    the Pallas flash kernel: Mosaic on TPU, Triton on GPU, interpreter on CPU;
-  "auto":      "xla" on every platform until the Pallas kernel is benchmarked on hardware.
+  "pallas":    the Pallas flash kernel (kernel.py): Mosaic on TPU, Triton on GPU, interpreter on CPU;
+  "auto":      the path expected to be fastest on the target platform: "pallas" on TPU and GPU (it
+               streams the cache in tiles; "xla" materialises fp32 (B,N,S,L) scores, "cudnn" a dense
+               (B,N,S,L) mask), "xla" on CPU (the interpreter is slow). Expected, not measured: no
+               accelerator has timed it yet (README, "Accelerator status").
+
+`platform` is the platform the program is compiled FOR ("cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None =
+jax.default_backend() at trace time), so an AOT export for TPU from a CPU host gets the Mosaic kernel.
+The kernel is interpreted only when the target is CPU, or when interpret=True is passed.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention.kernel import BlockSizes, flash_attention
 from pallas_kernels.attention.reference import allowed_mask, attention_reference
 
 IMPLS = ("auto", "xla", "pallas", "reference", "cudnn")
+PLATFORMS = ("cpu", "tpu", "gpu", "cuda", "rocm")
+_GPU = ("gpu", "cuda", "rocm")
 
-__all__ = ["BlockSizes", "IMPLS", "allowed_mask", "attention", "attention_reference", "flash_attention"]
+
+def target_platform(platform: str | None) -> str:
+    """The platform kernels are chosen for: `platform`, or jax.default_backend() when None."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; choose one of {PLATFORMS}")
+    return platform
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """The concrete attention path for `impl` on the target platform ("auto" -> see module doc)."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return "xla" if target_platform(platform) == "cpu" else "pallas"
+    return impl
+
+__all__ = ["BlockSizes", "IMPLS", "PLATFORMS", "allowed_mask", "attention", "attention_reference", "flash_attention",
+           "resolve_impl", "target_platform"]
 
 
 def _cudnn(q_BSNH, k_BLKH, v_BLKH, allowed):
@@ -37,22 +65,37 @@ def _cudnn(q_BSNH, k_BLKH, v_BLKH, allowed):
 
 
 def attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_BL=None, block_size: int = 0,
-              impl: str = "auto", block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+              impl: str = "auto", block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+              platform: str | None = None, mesh=None, batch_axes: tuple = (), head_axes: tuple = ()):
     """(B,S,N,H) queries over (B,L,K,H) keys/values -> (B,S,N,H). key_mask_BL: True = attend;
-    block_size > 0: block-causal over q_pos_BS (B,S) / k_pos_BL (B,L) (reference.allowed_mask)."""
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+    block_size > 0: block-causal over q_pos_BS (B,S) / k_pos_BL (B,L) (reference.allowed_mask).
+    platform: the compile target (module doc); interpret: None = only when the target is CPU.
+    mesh: a multi-device mesh the inputs are sharded over: the Pallas kernel (which GSPMD cannot
+    partition) then runs per shard in a shard_map, rows split over `batch_axes`, query and kv heads
+    over `head_axes` (K must divide by their size; each shard keeps whole GQA groups)."""
+    platform = target_platform(platform)
+    impl = resolve_impl(impl, platform)
     mask_kw = dict(q_pos_BS=q_pos_BS, k_pos_BL=k_pos_BL, block_size=block_size)
-    if impl in ("auto", "xla", "reference"):
+    if impl in ("xla", "reference"):
         return attention_reference(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, **mask_kw)
     if impl == "cudnn":
         return _cudnn(q_BSNH, k_BLKH, v_BLKH, allowed_mask(q_BSNH.shape, key_mask_BL, **mask_kw))
-    if block_size:
-        raise NotImplementedError("the Pallas attention kernel does not take the block-causal mask yet; "
-                                  "use attention_impl='xla'")
-    platform = jax.default_backend()
-    backend = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
+    if block_size and (q_pos_BS is None or k_pos_BL is None):
+        raise ValueError("block-causal attention needs q_pos_BS and k_pos_BL")
+    backend = "gpu" if platform in _GPU else "tpu"
     if interpret is None:
-        interpret = platform not in ("tpu", "gpu", "cuda", "rocm")
-    return flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes=block_sizes or BlockSizes(),
-                           backend=backend, interpret=interpret)
+        interpret = platform == "cpu"
+    B, S, L = q_BSNH.shape[0], q_BSNH.shape[1], k_BLKH.shape[1]
+    mask = jnp.ones((B, L), bool) if key_mask_BL is None else key_mask_BL
+    q_pos = jnp.zeros((B, S), jnp.int32) if q_pos_BS is None else q_pos_BS
+    k_pos = jnp.zeros((B, L), jnp.int32) if k_pos_BL is None else k_pos_BL
+
+    def run(q, k, v, m, qp, kp):
+        return flash_attention(q, k, v, m, q_pos_BS=qp, k_pos_BL=kp, block_size=block_size,
+                               block_sizes=block_sizes or BlockSizes(), backend=backend, interpret=interpret)
+    if mesh is not None and mesh.size > 1:
+        rows, heads = (tuple(batch_axes) or None), (tuple(head_axes) or None)
+        qkv, per_row = P(rows, None, heads, None), P(rows, None)
+        run = jax.shard_map(run, mesh=mesh, in_specs=(qkv, qkv, qkv, per_row, per_row, per_row), out_specs=qkv,
+                            check_vma=False)
+    return run(q_BSNH, k_BLKH, v_BLKH, mask, q_pos, k_pos)

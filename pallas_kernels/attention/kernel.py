@@ -1,15 +1,32 @@
-"""Flash-style bidirectional attention in Pallas for the dLLM window case.
+"""Flash-style masked-token attention in Pallas for the dLLM window case (Mosaic TPU / Triton GPU).
 
 Queries: the S window tokens (a block, block +/- vicinity, or the whole canvas); keys/values: the
-full L-length K/V with the window's fresh K/V already in place; a per-row key-padding mask; GQA.
+full L-length K/V cache (B, L, K, H) with the window's fresh K/V already in place; GQA; a per-row
+key-padding mask; optionally the block-causal mask (key l visible to query s iff
+k_pos[l] // block_size <= q_pos[s] // block_size), built per tile in-kernel from small int inputs:
+  qblk (B, S_pad, 1)  query block id per row (0 when not block-causal),
+  kinfo (B, 2, L_pad) row 0: key block id; row 1: 1 valid key, 0 masked key, -1 tile padding.
+Masked keys score -1e30 (an all-masked row gives the reference's uniform softmax over the L real
+keys); tile-padding keys score -2e30, so they never count, even in an all-masked row.
 
-Grid (B, N, S/block_q): each program holds one query tile of one head, streams the K/V of that
-head's kv group (n // (N/K)) in block_kv tiles with an online softmax (fp32 running max, sum and
-accumulator), and writes one output tile. The scale is applied in-kernel. Inputs are padded to
-tile multiples (padded keys are masked out, padded query rows sliced off), so any S and L work.
+Layout (the TPU tiling rule: the minor two dims of every block are divisible by (8, 128) or equal
+to the array's dims). The cache is NOT transposed: it is viewed, for free, as (B, L, K*H) and read
+in (block_kv, W) column blocks, W = P*H lanes holding P consecutive kv heads, P the smallest
+divisor of K with P*H % 128 == 0 (P = 1 for H = 128; P = 2 for H = 64), else P = K (then W is the
+whole minor dim). The queries, only S rows, are rearranged to (B, K/P, G, S_pad, W) (G = N/K query
+heads per kv head; lanes of kv head p hold query head (j*P + p)*G + g), so one program reads one
+column block of the cache for all G*P query heads it serves; for P > 1, kv head p's scores use q
+with the other heads' lanes zeroed (a full 128-deep contraction, which the MXU does anyway) and
+its P@V result is kept on its own lanes. The output goes back through the inverse rearrangement.
 
-The same kernel body lowers with Mosaic on TPU (dimension_semantics all "parallel") and with
-Triton on GPU; on CPU it runs with interpret=True, which is how the tests check it.
+TPU ("tpu", Mosaic): grid (B, K/P, S_pad/bq, L_pad/bkv), the last axis "arbitrary" (a reduction
+over kv tiles with fp32 running max / sum / accumulator in VMEM scratch), the others "parallel";
+VMEM holds O(bq*W + bkv*W) per step whatever L is (32k caches fit); the cache is not padded (a
+partial last kv tile is masked in-kernel), so a forward reads it once and copies none of it.
+GPU ("gpu", Triton): grid (B, K, S_pad/bq) (P = 1), each program streams the kv tiles of its head
+with a fori_loop over the full-length ref; Triton needs every in-kernel array power-of-2 sized, so
+bq, bkv are powers of two (>= 16 for tl.dot), and H and G must be too.
+Interpret mode (interpret=True) runs either body on any platform; that is how CPU tests check it.
 """
 from __future__ import annotations
 
@@ -21,19 +38,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 _NEG = -1e30  # same finite mask value as the reference: an all-masked row gives a uniform softmax
+_PAD = -2e30  # tile-padding keys: below every real key, masked or not
+BACKENDS = ("tpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query and key/value tile lengths (multiples of 8)."""
-    block_q: int = 128
-    block_kv: int = 128
+    """Query and key/value tile lengths: block_q a multiple of 8, block_kv a multiple of 128 (the TPU
+    lane rule for the per-key mask tile; a cache shorter than block_kv is one whole tile). The
+    Triton path rounds both down to powers of two."""
+    block_q: int = 64
+    block_kv: int = 512
 
     def validate(self):
-        for name in ("block_q", "block_kv"):
-            v = getattr(self, name)
-            if v <= 0 or v % 8:
-                raise ValueError(f"BlockSizes.{name}={v} must be a positive multiple of 8")
+        if self.block_q <= 0 or self.block_q % 8:
+            raise ValueError(f"BlockSizes.block_q={self.block_q} must be a positive multiple of 8")
+        if self.block_kv <= 0 or self.block_kv % 128:
+            raise ValueError(f"BlockSizes.block_kv={self.block_kv} must be a positive multiple of 128")
 
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -43,42 +64,138 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, *refs, scale: float, block_kv: int, num_kv_blocks: int):
-    o_ref = refs[-1]  # refs = (o_ref,) or (poisoned_init_ref, o_ref) when the output is pre-poisoned
-    q = q_ref[...].astype(jnp.float32) * scale  # (block_q, H)
-    bq, H = q.shape
-
-    def body(j, carry):
-        m, l, acc = carry
-        sl = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-        k = k_ref[sl, :].astype(jnp.float32)  # (block_kv, H)
-        v = v_ref[sl, :].astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s = s + bias_ref[:, sl]  # (1, block_kv) additive mask
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        alpha = jnp.exp(m - m_new)
-        l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-        acc_new = alpha * acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return m_new, l_new, acc_new
-
-    init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, H), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
-    o_ref[...] = (acc / l).astype(o_ref.dtype)
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
-def _compiler_params(backend: str, ndims: int):
-    if backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * ndims)
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def heads_per_block(K: int, H: int, backend: str) -> int:
+    """P: kv heads per cache column block (see module doc)."""
     if backend == "gpu":
-        from jax.experimental.pallas import triton as plgpu
-        return plgpu.CompilerParams(num_warps=4, num_stages=2)
-    return None
+        return 1
+    for p in range(1, K + 1):
+        if K % p == 0 and (p * H) % 128 == 0:
+            return p
+    return K
 
 
-def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes):
+def tiles(S: int, L: int, block_sizes: BlockSizes, backend: str):
+    """(bq, bkv, S_pad, L_pad) for this backend (see module doc). On TPU a cache of L <= block_kv is
+    one whole-length tile (legal whatever L is), else block_kv tiles with a partial last one."""
+    if backend == "gpu":
+        bq = min(_pow2_floor(block_sizes.block_q), _pow2_ceil(max(S, 16)))
+        bkv = min(_pow2_floor(block_sizes.block_kv), _pow2_ceil(max(L, 16)))
+    else:
+        bq = min(block_sizes.block_q, _round_up(S, 16))
+        bkv = min(block_sizes.block_kv, L)
+    return bq, bkv, _round_up(S, bq), _round_up(L, bkv)
+
+
+def _tile_update(q, k, v, qblk, kblk, kvalid, m, l, acc, *, P: int, H: int):
+    """One kv tile of the online softmax for one query head group g.
+
+    q (bq, W) fp32 pre-scaled; k, v (bkv, W); qblk (bq, 1) int; kblk, kvalid (1, bkv) int (kinfo rows);
+    m, l: P-tuples of (bq, 1) fp32 running max / sum; acc (bq, W) fp32. Returns (m, l, acc)."""
+    allowed = (kvalid == 1) & (kblk <= qblk)  # (bq, bkv)
+    fill = jnp.where(kvalid < 0, _PAD, _NEG)  # (1, bkv)
+    k = k.astype(jnp.float32)
+    v = v.astype(jnp.float32)
+    W = q.shape[1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, W), 1) if P > 1 else None
+    new_m, new_l = [], []
+    for p in range(P):
+        on_p = None if P == 1 else (lane >= p * H) & (lane < (p + 1) * H)  # (1, W): kv head p's lanes
+        q_p = q if P == 1 else jnp.where(on_p, q, 0.0)
+        s = jax.lax.dot_general(q_p, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = jnp.where(allowed, s, fill)
+        m_new = jnp.maximum(m[p], jnp.max(s, axis=1, keepdims=True))
+        e = jnp.exp(s - m_new)
+        alpha = jnp.exp(m[p] - m_new)
+        new_l.append(alpha * l[p] + jnp.sum(e, axis=1, keepdims=True))
+        new_m.append(m_new)
+        pv = alpha * acc + jnp.dot(e, v, preferred_element_type=jnp.float32)
+        acc = pv if P == 1 else jnp.where(on_p, pv, acc)
+    return tuple(new_m), tuple(new_l), acc
+
+
+def _finish(acc, l, *, P: int, H: int):
+    """acc / l per kv head's lanes."""
+    if P == 1:
+        return acc / l[0]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, acc.shape[1]), 1)
+    denom = l[0]
+    for p in range(1, P):
+        denom = jnp.where(lane >= p * H, l[p], denom)
+    return acc / denom
+
+
+def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H, L):
+    """Grid (b, j, i, t): q/o (G, bq, W), k/v (bkv, W), qblk (bq, 1), kinfo (2, bkv);
+    scratch m, l (G*P, bq, 1), acc (G, bq, W). L: the cache length; when the last kv tile runs past
+    it (the cache is not padded: no copy), its rows past L hold unspecified values and are zeroed."""
+    if len(refs) == 5:  # pre-poisoned output (tests): its aliased input ref comes first
+        refs = refs[1:]
+    o_ref, m_ref, l_ref, acc_ref = refs
+    t = pl.program_id(3)
+
+    @pl.when(t == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    k, v, qblk, kblk, kvalid = k_ref[...], v_ref[...], qblk_ref[...], kinfo_ref[0:1, :], kinfo_ref[1:2, :]
+    bkv = k.shape[0]
+    if L % bkv:
+        inside = t * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0) < L
+        k = jnp.where(inside, k, jnp.zeros_like(k))
+        v = jnp.where(inside, v, jnp.zeros_like(v))
+    for g in range(G):
+        q = q_ref[g].astype(jnp.float32) * scale
+        m = tuple(m_ref[g * P + p] for p in range(P))
+        l = tuple(l_ref[g * P + p] for p in range(P))
+        m, l, acc = _tile_update(q, k, v, qblk, kblk, kvalid, m, l, acc_ref[g], P=P, H=H)
+        for p in range(P):
+            m_ref[g * P + p] = m[p]
+            l_ref[g * P + p] = l[p]
+        acc_ref[g] = acc
+
+    @pl.when(t == pl.num_programs(3) - 1)
+    def _write():
+        for g in range(G):
+            l = tuple(l_ref[g * P + p] for p in range(P))
+            o_ref[g] = _finish(acc_ref[g], l, P=P, H=H).astype(o_ref.dtype)
+
+
+def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, H, bkv, num_kv_blocks):
+    """Grid (b, k, i): q/o (G, bq, H), k/v the full (L_pad, H) of kv head k, streamed in bkv tiles."""
+    o_ref = refs[-1]
+    qblk = qblk_ref[...]
+    for g in range(G):
+        q = q_ref[g].astype(jnp.float32) * scale
+        bq = q.shape[0]
+
+        def body(t, carry, q=q):
+            m, l, acc = carry
+            sl = pl.ds(pl.multiple_of(t * bkv, bkv), bkv)
+            (m,), (l,), acc = _tile_update(q, k_ref[sl, :], v_ref[sl, :], qblk, kinfo_ref[pl.ds(0, 1), sl],
+                                           kinfo_ref[pl.ds(1, 1), sl], (m,), (l,), acc, P=1, H=H)
+            return m, l, acc
+
+        init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+                jnp.zeros((bq, H), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
+        o_ref[g] = (acc / l).astype(o_ref.dtype)
+
+
+def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_pos_BS=None, k_pos_BL=None,
+             block_size: int = 0, backend: str = "tpu"):
     """Clear errors for shapes the kernel does not support."""
+    if backend not in BACKENDS:
+        raise ValueError(f"flash_attention: backend {backend!r} is not one of {BACKENDS}")
     if q_BSNH.ndim != 4 or k_BLKH.ndim != 4 or v_BLKH.shape != k_BLKH.shape:
         raise ValueError(f"flash_attention: expected q (B,S,N,H) and k == v shape (B,L,K,H), got "
                          f"q{tuple(q_BSNH.shape)} k{tuple(k_BLKH.shape)} v{tuple(v_BLKH.shape)}")
@@ -90,57 +207,101 @@ def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes):
         raise ValueError(f"flash_attention: {N} query heads is not a multiple of {K} kv heads")
     if H not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"flash_attention: head_dim={H} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    if backend == "gpu" and (N // K) & (N // K - 1):
+        raise ValueError(f"flash_attention: the Triton path needs a power-of-2 number of query heads per kv "
+                         f"head, got {N}/{K}")
     if key_mask_BL is not None and tuple(key_mask_BL.shape) != (B, L):
         raise ValueError(f"flash_attention: key_mask shape {tuple(key_mask_BL.shape)} != (B, L) = {(B, L)}")
+    if block_size < 0:
+        raise ValueError(f"flash_attention: block_size={block_size} must be >= 0")
+    if block_size:
+        if q_pos_BS is None or k_pos_BL is None:
+            raise ValueError("flash_attention: block-causal attention (block_size > 0) needs q_pos_BS and k_pos_BL")
+        if tuple(q_pos_BS.shape) != (B, S) or tuple(k_pos_BL.shape) != (B, L):
+            raise ValueError(f"flash_attention: q_pos_BS {tuple(q_pos_BS.shape)} / k_pos_BL {tuple(k_pos_BL.shape)} "
+                             f"must be (B, S) = {(B, S)} / (B, L) = {(B, L)}")
     block_sizes.validate()
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "backend", "interpret", "poison_output"))
-def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, scale: float | None = None,
-                    block_sizes: BlockSizes = BlockSizes(), backend: str = "tpu", interpret: bool = False,
-                    poison_output: bool = False):
-    """Bidirectional attention (B,S,N,H) x (B,L,K,H) -> (B,S,N,H), fp32 softmax and accumulation.
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "block_sizes", "backend", "interpret",
+                                             "poison_output"))
+def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_BL=None, block_size: int = 0,
+                    scale: float | None = None, block_sizes: BlockSizes = BlockSizes(), backend: str = "tpu",
+                    interpret: bool = False, poison_output: bool = False):
+    """Masked-token attention (B,S,N,H) x (B,L,K,H) -> (B,S,N,H), fp32 softmax and accumulation.
 
-    key_mask_BL: True where a key may be attended. backend: "tpu" (Mosaic) or "gpu" (Triton);
-    interpret=True runs the kernel body in the Pallas interpreter (any platform).
+    key_mask_BL: True where a key may be attended. block_size > 0: block-causal over q_pos_BS (B,S)
+    and k_pos_BL (B,L). backend: "tpu" (Mosaic) or "gpu" (Triton); interpret=True runs that
+    backend's kernel body in the Pallas interpreter (any platform).
     poison_output (tests): the output buffer starts as NaN (aliased input), so a tile the kernel
     fails to write shows up as NaN.
     """
-    validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes)
+    validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes, q_pos_BS=q_pos_BS, k_pos_BL=k_pos_BL,
+             block_size=block_size, backend=backend)
     B, S, N, H = q_BSNH.shape
     L, K = k_BLKH.shape[1], k_BLKH.shape[2]
     G = N // K
-    bq = min(block_sizes.block_q, _round_up(S, 8))
-    bkv = min(block_sizes.block_kv, _round_up(L, 8))
-    S_pad, L_pad = _round_up(S, bq), _round_up(L, bkv)
+    P = heads_per_block(K, H, backend)
+    W = P * H
+    bq, bkv, S_pad, L_pad = tiles(S, L, block_sizes, backend)
     scale = H ** -0.5 if scale is None else scale
-    q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
-    k = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
-    v = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
-    valid = jnp.ones((B, L), bool) if key_mask_BL is None else key_mask_BL.astype(bool)
-    valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)))
-    bias = jnp.where(valid, 0.0, _NEG).astype(jnp.float32)[:, None, :]  # (B, 1, L_pad)
 
-    grid = (B, N, S_pad // bq)
-    kernel = functools.partial(_kernel, scale=scale, block_kv=bkv, num_kv_blocks=L_pad // bkv)
-    q_spec = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
-    kv_spec = pl.BlockSpec((None, L_pad, None, H), lambda b, n, i: (b, 0, n // G, 0))
-    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, 1, L_pad), lambda b, n, i: (b, 0, 0))]
-    args = [q, k, v, bias]
+    # Queries (small): (B,S,N,H) -> (B, K/P, G, S_pad, W); n = (j*P + p)*G + g.
+    q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
+    q = q.reshape(B, S_pad, K // P, P, G, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, K // P, G, S_pad, W)
+    # The cache (large): a free reshape on TPU (the partial last tile is masked in-kernel); the Triton
+    # path pads it to a multiple of its power-of-2 kv tile (a copy when L is not one).
+    if backend == "gpu":
+        k_BLKH = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
+        v_BLKH = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
+    k = k_BLKH.reshape(B, k_BLKH.shape[1], K * H)
+    v = v_BLKH.reshape(B, v_BLKH.shape[1], K * H)
+    valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
+    valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
+    if block_size:
+        qblk = (q_pos_BS.astype(jnp.int32) // block_size)
+        kblk = (k_pos_BL.astype(jnp.int32) // block_size)
+    else:
+        qblk, kblk = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, L), jnp.int32)
+    qblk = jnp.pad(qblk, ((0, 0), (0, S_pad - S)))[:, :, None]  # (B, S_pad, 1)
+    kinfo = jnp.stack([jnp.pad(kblk, ((0, 0), (0, L_pad - L))), valid], axis=1)  # (B, 2, L_pad)
+
+    out_shape = jax.ShapeDtypeStruct((B, K // P, G, S_pad, W), q_BSNH.dtype)
+    args = [q, k, v, qblk, kinfo]
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        grid = (B, K // P, S_pad // bq, L_pad // bkv)
+        q_spec = pl.BlockSpec((None, None, G, bq, W), lambda b, j, i, t: (b, j, 0, i, 0))
+        kv_spec = pl.BlockSpec((None, bkv, W), lambda b, j, i, t: (b, t, j))
+        in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, bq, 1), lambda b, j, i, t: (b, i, 0)),
+                    pl.BlockSpec((None, 2, bkv), lambda b, j, i, t: (b, 0, t))]
+        kernel = functools.partial(_tpu_kernel, scale=scale, G=G, P=P, H=H, L=L)
+        scratch = [pltpu.VMEM((G * P, bq, 1), jnp.float32), pltpu.VMEM((G * P, bq, 1), jnp.float32),
+                   pltpu.VMEM((G, bq, W), jnp.float32)]
+        params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    else:
+        from jax.experimental.pallas import triton as pltriton
+        grid = (B, K, S_pad // bq)
+        q_spec = pl.BlockSpec((None, None, G, bq, H), lambda b, j, i: (b, j, 0, i, 0))
+        kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i: (b, 0, j))
+        in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, bq, 1), lambda b, j, i: (b, i, 0)),
+                    pl.BlockSpec((None, 2, L_pad), lambda b, j, i: (b, 0, 0))]
+        kernel = functools.partial(_gpu_kernel, scale=scale, G=G, H=H, bkv=bkv, num_kv_blocks=L_pad // bkv)
+        scratch = []
+        params = pltriton.CompilerParams(num_warps=4, num_stages=2)
     aliases = {}
     if poison_output:
         in_specs.append(q_spec)
-        args.append(jnp.full((B, S_pad, N, H), jnp.nan, q_BSNH.dtype))
-        aliases = {4: 0}
+        args.append(jnp.full(out_shape.shape, jnp.nan, q_BSNH.dtype))
+        aliases = {len(args) - 1: 0}
     out = pl.pallas_call(
         kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((B, S_pad, N, H), q_BSNH.dtype),
+        grid_spec=pl.GridSpec(grid=grid, in_specs=in_specs, out_specs=q_spec, scratch_shapes=scratch),
+        out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=None if interpret else _compiler_params(backend, len(grid)),
+        compiler_params=None if interpret else params,
         interpret=interpret,
         name="dlm_flash_attention",
     )(*args)
+    out = out.reshape(B, K // P, G, S_pad, P, H).transpose(0, 3, 1, 4, 2, 5).reshape(B, S_pad, N, H)
     return out[:, :S]
