@@ -13,6 +13,7 @@ from __future__ import annotations
 from converters.mappings import Entry
 from dinfer_jax.config import ConfigError, ModelConfig, need, partial_rotary_factor, rope_theta
 from dinfer_jax.families import Family
+from dinfer_jax.families.llada_moe import CHAT_TEMPLATE as LLADA_MOE_CHAT_TEMPLATE
 
 # Token ids (reference §1.1): <|mask|> 156895, <|endoftext|> 156892 = eos = pad.
 DEFAULT_IDS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=156892, eot_token_id=None)
@@ -130,10 +131,7 @@ def weights(cfg: ModelConfig) -> list[Entry]:
 # LLaDA2 shares LLaDA-MoE's Ling tokenizer (same vocabulary and special ids) and, we assume, its role
 # format (models.md B: <role>SYSTEM|HUMAN|ASSISTANT</role>{content}<|role_end|>, then
 # <role>ASSISTANT</role>). A model folder's own chat_template (tokenizer_config.json) always wins.
-CHAT_TEMPLATE = (
-    "{% set names = {'system': 'SYSTEM', 'user': 'HUMAN', 'assistant': 'ASSISTANT'} %}"
-    "{% for m in messages %}<role>{{ names[m['role']] }}</role>{{ m['content'] }}<|role_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}")
+CHAT_TEMPLATE = LLADA_MOE_CHAT_TEMPLATE
 
 _MOE = dict(family="llada2", vocab_size=157184, head_dim=128, rope_theta=600000.0, rms_norm_eps=1e-6,
             rotary_dim=64, qk_norm=True, num_experts=256, num_experts_per_tok=8, norm_topk_prob=True,
