@@ -50,21 +50,20 @@ def _np_dtype(name):
 def cmd_convert(a):
     from converters import convert
     t = time.perf_counter()
-    out = convert(a.src, a.dst, dtype=_np_dtype(a.dtype), progress=not a.quiet)
+    out = convert(a.src, a.dst, dtype=_np_dtype(a.dtype), progress=not a.quiet, overwrite=a.overwrite)
     print(f"wrote {len(out)} parameters to {a.dst} in {time.perf_counter() - t:.1f}s")
 
 
 def cmd_export(a):
     from converters import export
-    export(a.src, a.dst, progress=not a.quiet)
+    export(a.src, a.dst, progress=not a.quiet, overwrite=a.overwrite)
     print(f"exported {a.src} to {a.dst}")
 
 
 def cmd_info(a):
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax.config import load_hf_config
-    if not os.path.isdir(a.model):
-        raise FileNotFoundError(f"model folder {a.model!r} does not exist")
+    ckpt.check_model_folder(a.model)
     cfg = load_hf_config(a.model)
     kind = "dinfer-jax checkpoint" if ckpt.is_checkpoint(a.model) else "Hugging Face folder"
     print(json.dumps({"folder": a.model, "kind": kind, "num_params": cfg.num_params, **cfg.to_dict()}, indent=1))
@@ -95,9 +94,9 @@ def _positive(text):
 
 def _model_dir(a) -> str:
     """--model, or the built-in demo model when it is omitted."""
+    from dinfer_jax.checkpoint import DEMO_MODEL_DIR, check_model_folder, is_checkpoint
     if a.model is not None:
-        return a.model
-    from dinfer_jax.checkpoint import DEMO_MODEL_DIR, is_checkpoint
+        return check_model_folder(a.model)
     if not is_checkpoint(DEMO_MODEL_DIR):
         raise FileNotFoundError(f"the built-in demo model is missing ({DEMO_MODEL_DIR}); pass --model, or train it: "
                                 "python -m dinfer_jax.train --out dinfer_jax/demo_model")
@@ -111,7 +110,18 @@ def _gen_shape(a, model_dir: str) -> tuple[int, int]:
     d = generation_defaults(model_dir)
     gen = a.gen_length if a.gen_length is not None else d.get("gen_length", 128)
     block = a.block_length if a.block_length is not None else min(d.get("block_length", 64), gen)
+    _warn_off_defaults(d, model_dir, gen_length=gen, block_length=block)
     return gen, block
+
+
+def _warn_off_defaults(defaults: dict, model_dir: str, **chosen):
+    """One stderr line when the chosen lengths differ from the model folder's generation defaults
+    (the demo model, e.g., answers only in the 16-token region it was trained on)."""
+    off = [f"--{k.replace('_', '-')} {v} (default {defaults[k]})" for k, v in chosen.items()
+           if k in defaults and v != defaults[k]]
+    if off:
+        print(f"dinfer-jax: warning: {', '.join(off)} differs from {os.path.join(model_dir, 'generation_config.json')}"
+              f"; this model may not answer correctly with other settings", file=sys.stderr)
 
 
 def _load_model(a, model_dir: str):
@@ -127,7 +137,7 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
     if a.prompt is not None:
         if tok is None:
             raise ValueError(f"--prompt needs {os.path.join(model_dir, 'tokenizer.json')}; pass --prompt-ids instead")
-        ids = tok.encode(a.prompt)
+        ids = tok.encode_prompt(a.prompt, "--prompt")
         if not ids:
             raise ValueError("--prompt is empty")
         return ids
@@ -396,10 +406,21 @@ def cmd_bench(a):
         print(format_table(rows))
 
 
+def _check_writable_dir(path: str, what: str):
+    """Create `path` if needed; OSError naming `what` when it cannot be written (before long work)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"{what} {path!r} is not writable ({e.strerror or e})") from None
+
+
 def cmd_profile(a):
     import numpy as np
     from dinfer_jax.profiling import profile_generation
     model_dir, tok, ids, sp, model = _prompt_setup(a)
+    _check_writable_dir(a.logdir, "--logdir")
     out = profile_generation(model, [np.asarray(ids)], sp, a.logdir, a.repeats)
     if _is_main_process():
         r = out["result"]
@@ -432,11 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", choices=DTYPES, default=None, help="cast params (default: keep the checkpoint's)")
     c.add_argument("--quiet", action="store_true")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty DST_DIR whole")
     c.set_defaults(fn=cmd_convert)
     e = sub.add_parser("export", help="dinfer-jax checkpoint -> HF safetensors folder")
     e.add_argument("src")
     e.add_argument("dst")
     e.add_argument("--quiet", action="store_true")
+    e.add_argument("--overwrite", action="store_true", help="replace a non-empty HF_DIR whole")
     e.set_defaults(fn=cmd_export)
     i = sub.add_parser("info", help="print the config of a model folder")
     i.add_argument("model")
@@ -526,15 +549,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _message(e: Exception) -> str:
+    """One line for the user: a bad setting names its flag; an OSError its file."""
+    from dinfer_jax.engine import InvalidParam
+    if isinstance(e, InvalidParam):
+        return f"--{e.field.replace('_', '-')}: {e}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return " ".join(str(e).split())
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from converters.errors import ConversionError
-    from dinfer_jax.config import ConfigError
     try:
         args.fn(args)
-    except (ConversionError, ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"dinfer-jax: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
+        print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"dinfer-jax: interrupted ({args.cmd})", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":
