@@ -66,6 +66,12 @@ def check_destination(dst: str, overwrite: bool = False):
             raise FileExistsError(f"{dst}: destination exists and is not empty (pass --overwrite to replace it)")
     elif os.path.lexists(dst):
         raise FileExistsError(f"{dst}: destination exists and is not a folder")
+    else:
+        up = os.path.dirname(os.path.abspath(dst))
+        while not os.path.exists(up):
+            up = os.path.dirname(up)
+        if not os.path.isdir(up):
+            raise NotADirectoryError(f"{dst}: cannot be created, {up} is a file (Not a directory)")
 
 
 @contextlib.contextmanager

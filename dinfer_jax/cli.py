@@ -110,7 +110,6 @@ def _gen_shape(a, model_dir: str) -> tuple[int, int]:
     d = generation_defaults(model_dir)
     gen = a.gen_length if a.gen_length is not None else d.get("gen_length", 128)
     block = a.block_length if a.block_length is not None else min(d.get("block_length", 64), gen)
-    _warn_off_defaults(d, model_dir, gen_length=gen, block_length=block)
     return gen, block
 
 
@@ -120,8 +119,8 @@ def _warn_off_defaults(defaults: dict, model_dir: str, **chosen):
     off = [f"--{k.replace('_', '-')} {v} (default {defaults[k]})" for k, v in chosen.items()
            if k in defaults and v != defaults[k]]
     if off:
-        print(f"dinfer-jax: warning: {', '.join(off)} differs from {os.path.join(model_dir, 'generation_config.json')}"
-              f"; this model may not answer correctly with other settings", file=sys.stderr)
+        print(f"dinfer-jax: warning: {', '.join(off)}: not the generation defaults of this model "
+              f"({os.path.join(model_dir, 'generation_config.json')}); it may not answer correctly", file=sys.stderr)
 
 
 def _load_model(a, model_dir: str):
@@ -146,11 +145,14 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
 
 def _sampling_params(a, model_dir: str):
     from dinfer_jax import SamplingParams
+    from dinfer_jax.checkpoint import generation_defaults
     gen_length, block_length = _gen_shape(a, model_dir)
-    return SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
-                          threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
-                          cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                          early_stop=not a.no_early_stop)
+    sp = SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
+                        threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
+                        cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
+                        early_stop=not a.no_early_stop).validate()
+    _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
+    return sp
 
 
 def _add_model_and_prompt_flags(p):
@@ -217,6 +219,10 @@ def cmd_eval(a):
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
     gen_length, block_length = _gen_shape(a, model_dir)
+    from dinfer_jax import SamplingParams
+    from dinfer_jax.checkpoint import generation_defaults
+    SamplingParams(gen_length=gen_length, block_length=block_length).validate()
+    _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
     overrides = dict(threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -419,8 +425,8 @@ def _check_writable_dir(path: str, what: str):
 def cmd_profile(a):
     import numpy as np
     from dinfer_jax.profiling import profile_generation
+    _check_writable_dir(a.logdir, "--logdir")  # before the model loads and compiles
     model_dir, tok, ids, sp, model = _prompt_setup(a)
-    _check_writable_dir(a.logdir, "--logdir")
     out = profile_generation(model, [np.asarray(ids)], sp, a.logdir, a.repeats)
     if _is_main_process():
         r = out["result"]

@@ -122,21 +122,28 @@ class SamplingParams:
                 continue
             object.__setattr__(self, name, _check_field(name, v))
 
-    def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
-        """The static part (the compiled program's key); checks the rules between fields."""
+    def validate(self) -> "SamplingParams":
+        """The rules between fields (the per-field ones ran at construction); returns self."""
         if self.gen_length % self.block_length:
             raise InvalidParam("gen_length", f"gen_length={self.gen_length} must be a positive multiple of "
                                              f"block_length={self.block_length}")
-        steps_per_block = 0
         if self.strategy in FIXED:
             nb = self.gen_length // self.block_length
             steps = self.gen_length if self.steps is None else self.steps
             if steps % nb:
                 raise InvalidParam("steps", f"steps={steps} must be a positive multiple of the number of blocks ({nb})")
-            steps_per_block = steps // nb
         if self.smoothing and self.cache == "prefix":
             raise InvalidParam("smoothing", "iteration smoothing with the prefix cache is not supported "
                                             "(use none, dual or vicinity)")
+        return self
+
+    def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
+        """The static part (the compiled program's key), after `validate`."""
+        self.validate()
+        steps_per_block = 0
+        if self.strategy in FIXED:
+            nb = self.gen_length // self.block_length
+            steps_per_block = (self.gen_length if self.steps is None else self.steps) // nb
         return DecodeSpec(
             gen_length=self.gen_length, block_length=self.block_length, strategy=self.strategy,
             steps_per_block=steps_per_block, cache=self.cache, refresh_every=self.refresh_every,
@@ -174,7 +181,7 @@ def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
     elif not isinstance(prompts, (list, tuple)):
         raise InvalidParam("prompt", f"prompts must be a list of token-id lists or an array, got "
                                      f"{type(prompts).__name__}")
-    elif len(prompts) and np.ndim(prompts[0]) == 0:  # a flat list of ids is one prompt
+    elif len(prompts) and not isinstance(prompts[0], (list, tuple, np.ndarray)):  # a flat id list: one prompt
         prompts = [prompts]
     if not len(prompts):
         raise InvalidParam("prompt", "no prompts given")
