@@ -572,9 +572,10 @@ def main(argv=None):
     except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
         print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the command's own cleanup (finally blocks) has run by now
         print(f"dinfer-jax: interrupted ({args.cmd})", file=sys.stderr)
-        raise SystemExit(130) from None
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(130)  # not SystemExit: interpreter shutdown would print from the threads jax/orbax left
 
 
 if __name__ == "__main__":
