@@ -1,7 +1,8 @@
 """The `dinfer-jax` command line.
 
-  dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32]
-  dinfer-jax export DIR HF_DIR
+  dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32] [--overwrite]
+  dinfer-jax export DIR HF_DIR [--overwrite]
+      (both write a temporary sibling folder and rename it into place when complete)
   dinfer-jax info MODEL_DIR
   dinfer-jax logits --model DIR --prompt-ids 1,2,3 [--json]
   dinfer-jax generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
@@ -17,7 +18,9 @@
   --coordinator HOST:PORT --num-processes N --process-id I (process 0 prints the results)
   dinfer-jax demo [--workdir DIR]
 
-Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2.
+Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2 (a bad
+decoding setting names its flag; the rules themselves live in engine.SamplingParams); Ctrl-C
+prints one line and exits 130.
 """
 from __future__ import annotations
 
