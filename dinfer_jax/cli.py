@@ -569,14 +569,15 @@ def _message(e: Exception) -> str:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
         args.fn(args)
     except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
         print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:  # the command's own cleanup (finally blocks) has run by now
-        print(f"dinfer-jax: interrupted ({args.cmd})", file=sys.stderr)
+        print(f"dinfer-jax: interrupted{f' ({args.cmd})' if args else ''}", file=sys.stderr)
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(130)  # not SystemExit: interpreter shutdown would print from the threads jax/orbax left
 
