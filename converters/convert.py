@@ -16,7 +16,7 @@ from converters.hf_import import iter_params, open_checkpoint
 from converters.mappings import table
 from converters.safetensors_io import write_file
 from dinfer_jax import checkpoint as ckpt
-from dinfer_jax.atomic import atomic_folder, check_destination
+from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.config import to_hf_dict
 
 
@@ -41,7 +41,8 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
         with atomic_folder(dst, overwrite) as tmp:
             writer = ckpt.CheckpointWriter(tmp)
             for path, layer, arr in iter_params(cfg, source, dtype, progress):
-                writer.add(path, layer, arr)
+                with sigint_deferred():  # Ctrl-C between slabs, never inside orbax's threaded save
+                    writer.add(path, layer, arr)
                 del arr
             writer.finish(hf_config, src)
     finally:
@@ -88,7 +89,8 @@ def _export_into(src: str, dst: str, cfg, man: dict, progress: bool):
             idx = pieces[name]
             layer = idx[0] if layered else None
             if slab["arr"] is None or slab["layer"] != layer:  # names sort by layer: one slab at a time
-                slab["layer"], slab["arr"] = layer, ckpt.read_slab(src, entry.path, layer)
+                with sigint_deferred():  # not inside orbax's threaded restore
+                    slab["layer"], slab["arr"] = layer, ckpt.read_slab(src, entry.path, layer)
             return entry.to_hf(slab["arr"][idx[1:] if layered else idx])
 
         write_file(os.path.join(dst, fname), produce, metadata={"format": "pt"}, specs=specs)

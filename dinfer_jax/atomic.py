@@ -7,7 +7,8 @@
 never leaves a half-written `dst`. A non-empty `dst` is refused unless `overwrite`, which replaces
 the folder whole (by an atomic exchange where the OS has one, renameat2 RENAME_EXCHANGE on Linux).
 Temporary siblings are named `.NAME.dinfer-tmp-PID-XXXX`; those left by a killed process (its pid
-gone) are removed by the next run on the same destination.
+gone) are removed by the next run on the same destination. `sigint_deferred()` holds Ctrl-C
+until the current step (one orbax save, whose writer threads must not outlive the folder) ends.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import ctypes.util
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 
 TMP_TAG = ".dinfer-tmp-"
 
@@ -86,17 +89,34 @@ def atomic_folder(dst: str, overwrite: bool = False):
     try:
         yield tmp
         check_destination(dst, overwrite)  # nobody filled it meanwhile
-        if os.path.isdir(dst) and os.listdir(dst):
-            if not _exchange(tmp, dst):  # no atomic exchange here: a short window without dst
-                old = tempfile.mkdtemp(prefix=f".{name}{TMP_TAG}{os.getpid()}-old-", dir=parent)
-                os.rename(dst, os.path.join(old, "d"))
+        with sigint_deferred():  # the renames complete together
+            if os.path.isdir(dst) and os.listdir(dst):
+                if not _exchange(tmp, dst):  # no atomic exchange here: a short window without dst
+                    old = tempfile.mkdtemp(prefix=f".{name}{TMP_TAG}{os.getpid()}-old-", dir=parent)
+                    os.rename(dst, os.path.join(old, "d"))
+                    os.rename(tmp, dst)
+                    tmp = old
+            else:
+                if os.path.isdir(dst):
+                    os.rmdir(dst)  # an empty folder the user made
                 os.rename(tmp, dst)
-                tmp = old
-        else:
-            if os.path.isdir(dst):
-                os.rmdir(dst)  # an empty folder the user made
-            os.rename(tmp, dst)
-            tmp = None
+                tmp = None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """A SIGINT during the block is raised as KeyboardInterrupt when the block ends (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if got:
+        raise KeyboardInterrupt
