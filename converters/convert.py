@@ -1,4 +1,9 @@
-"""`dinfer-jax convert SRC_HF_DIR DST_DIR` and `dinfer-jax export DIR HF_DIR`."""
+"""`dinfer-jax convert SRC_HF_DIR DST_DIR` and `dinfer-jax export DIR HF_DIR`.
+
+Both write into a temporary sibling of the destination and rename it into place when complete
+(dinfer_jax/atomic.py): a failed or killed run leaves no destination, or the old one untouched; a
+non-empty destination is refused unless `overwrite=True`, which replaces it whole.
+"""
 from __future__ import annotations
 
 import json
@@ -11,38 +16,57 @@ from converters.hf_import import iter_params, open_checkpoint
 from converters.mappings import fused_groups, table
 from converters.safetensors_io import write_file
 from dinfer_jax import checkpoint as ckpt
+from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.config import to_hf_dict
 
 
-def convert(src: str, dst: str, dtype=None, progress: bool = True) -> dict:
-    """HF folder -> dinfer-jax checkpoint, one layer slab in memory at a time.
+def _same_or_inside(a: str, b: str) -> bool:
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+
+
+def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> dict:
+    """HF folder -> dinfer-jax checkpoint, one layer slab in memory at a time, written atomically.
 
     Returns {path: shape} of the written params.
     """
+    src = ckpt.check_model_folder(src, "source folder")
+    check_destination(dst, overwrite)
+    if _same_or_inside(src, dst):
+        raise ValueError(f"destination {dst!r} and source {src!r} overlap; pick another destination")
     cfg, source = open_checkpoint(src)
-    with open(os.path.join(src, "config.json")) as f:
-        hf_config = json.load(f)
-    writer = ckpt.CheckpointWriter(dst)
     try:
-        for path, layer, arr in iter_params(cfg, source, dtype, progress):
-            writer.add(path, layer, arr)
-            del arr
+        with open(os.path.join(src, "config.json")) as f:
+            hf_config = json.load(f)
+        with atomic_folder(dst, overwrite) as tmp:
+            writer = ckpt.CheckpointWriter(tmp)
+            for path, layer, arr in iter_params(cfg, source, dtype, progress):
+                with sigint_deferred():  # Ctrl-C between slabs, never inside orbax's threaded save
+                    writer.add(path, layer, arr)
+                del arr
+            writer.finish(hf_config, src)
     finally:
         source.close()
-    writer.finish(hf_config, src)
     return {p: s["shape"] for p, s in writer.specs.items()}
 
 
-def export(src: str, dst: str, progress: bool = True):
-    """dinfer-jax checkpoint -> HF folder (per-expert names; one safetensors shard per parameter).
-
-    Tensors keep their stored dtype, so HF -> dinfer-jax -> HF is bit-exact.
+def export(src: str, dst: str, progress: bool = True, overwrite: bool = False):
+    """dinfer-jax checkpoint -> HF folder (per-expert names; one safetensors shard per parameter),
+    written atomically. Tensors keep their stored dtype, so HF -> dinfer-jax -> HF is bit-exact.
     """
+    src = ckpt.check_model_folder(src, "checkpoint folder")
     if not ckpt.is_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a dinfer-jax checkpoint (no {ckpt.MANIFEST})")
+    check_destination(dst, overwrite)
+    if _same_or_inside(src, dst):
+        raise ValueError(f"destination {dst!r} and source {src!r} overlap; pick another destination")
     cfg = ckpt.read_config(src)
     man = ckpt.read_manifest(src)
-    os.makedirs(dst, exist_ok=True)
+    with atomic_folder(dst, overwrite) as tmp:
+        _export_into(src, tmp, cfg, man, progress)
+
+
+def _export_into(src: str, dst: str, cfg, man: dict, progress: bool):
     with open(os.path.join(src, "config.json")) as f:
         hf_config = json.load(f)
     if hf_config.get("architectures", [None])[0] == "FusedLLaDAMoEModelLM":
@@ -68,7 +92,8 @@ def export(src: str, dst: str, progress: bool = True):
                 idx = pieces[name]
                 layer = idx[0] if layered else None
                 if slab["arr"] is None or slab["layer"] != layer:  # names sort by layer: one slab at a time
-                    slab["layer"], slab["arr"] = layer, ckpt.read_slab(src, entry.path, layer)
+                    with sigint_deferred():  # not inside orbax's threaded restore
+                        slab["layer"], slab["arr"] = layer, ckpt.read_slab(src, entry.path, layer)
                 out.append(entry.to_hf(slab["arr"][idx[1:] if layered else idx]))
             return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
 

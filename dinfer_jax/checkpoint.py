@@ -33,6 +33,26 @@ def is_checkpoint(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MANIFEST))
 
 
+def is_incomplete(folder: str) -> bool:
+    """A checkpoint whose writing stopped before the manifest (the last file written)."""
+    return os.path.isdir(os.path.join(folder, "params")) and not is_checkpoint(folder)
+
+
+def check_model_folder(path, what: str = "model folder") -> str:
+    """`path` as a str, or a clear error: not a path, missing, a file, an incomplete checkpoint."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{what} must be a path (str or os.PathLike), got {type(path).__name__}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what} {path!r} is a file, not a folder (pass the folder holding config.json)")
+    if is_incomplete(path):
+        raise ConfigError(f"{path}: incomplete dinfer-jax checkpoint (conversion did not finish): params/ but no "
+                          f"{MANIFEST}; delete the folder and convert again")
+    return path
+
+
 def _checkpointer():
     import orbax.checkpoint as ocp
     return ocp.StandardCheckpointer()
@@ -113,10 +133,19 @@ def _slab_dir(folder: str, path: str, layer: int | None) -> str:
 
 
 def read_manifest(folder: str) -> dict:
-    with open(os.path.join(folder, MANIFEST)) as f:
-        man = json.load(f)
-    if man.get("format") != FORMAT or man.get("version") != VERSION:
-        raise ConfigError(f"{folder}: {MANIFEST} is not a dinfer-jax v{VERSION} manifest")
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            man = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); the checkpoint is damaged, convert it again") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
+        raise ConfigError(f"{path}: not a dinfer-jax v{VERSION} manifest")
+    if not isinstance(man.get("params"), dict) or not all(
+            isinstance(v, dict) and {"shape", "dtype", "layers"} <= set(v) for v in man["params"].values()):
+        raise ConfigError(f"{path}: its \"params\" entry is malformed; the checkpoint is damaged, convert it again")
     return man
 
 

@@ -1,7 +1,8 @@
 """The `dinfer-jax` command line.
 
-  dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32]
-  dinfer-jax export DIR HF_DIR
+  dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32] [--overwrite]
+  dinfer-jax export DIR HF_DIR [--overwrite]
+      (both write a temporary sibling folder and rename it into place when complete)
   dinfer-jax info MODEL_DIR
   dinfer-jax logits --model DIR --prompt-ids 1,2,3 [--json]
   dinfer-jax generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
@@ -17,7 +18,9 @@
   --coordinator HOST:PORT --num-processes N --process-id I (process 0 prints the results)
   dinfer-jax demo [--workdir DIR]
 
-Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2.
+Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2 (a bad
+decoding setting names its flag; the rules themselves live in engine.SamplingParams); Ctrl-C
+prints one line and exits 130.
 """
 from __future__ import annotations
 
@@ -50,21 +53,20 @@ def _np_dtype(name):
 def cmd_convert(a):
     from converters import convert
     t = time.perf_counter()
-    out = convert(a.src, a.dst, dtype=_np_dtype(a.dtype), progress=not a.quiet)
+    out = convert(a.src, a.dst, dtype=_np_dtype(a.dtype), progress=not a.quiet, overwrite=a.overwrite)
     print(f"wrote {len(out)} parameters to {a.dst} in {time.perf_counter() - t:.1f}s")
 
 
 def cmd_export(a):
     from converters import export
-    export(a.src, a.dst, progress=not a.quiet)
+    export(a.src, a.dst, progress=not a.quiet, overwrite=a.overwrite)
     print(f"exported {a.src} to {a.dst}")
 
 
 def cmd_info(a):
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax.config import load_hf_config
-    if not os.path.isdir(a.model):
-        raise FileNotFoundError(f"model folder {a.model!r} does not exist")
+    ckpt.check_model_folder(a.model)
     cfg = load_hf_config(a.model)
     kind = "dinfer-jax checkpoint" if ckpt.is_checkpoint(a.model) else "Hugging Face folder"
     print(json.dumps({"folder": a.model, "kind": kind, "num_params": cfg.num_params, **cfg.to_dict()}, indent=1))
@@ -95,9 +97,9 @@ def _positive(text):
 
 def _model_dir(a) -> str:
     """--model, or the built-in demo model when it is omitted."""
+    from dinfer_jax.checkpoint import DEMO_MODEL_DIR, check_model_folder, is_checkpoint
     if a.model is not None:
-        return a.model
-    from dinfer_jax.checkpoint import DEMO_MODEL_DIR, is_checkpoint
+        return check_model_folder(a.model)
     if not is_checkpoint(DEMO_MODEL_DIR):
         raise FileNotFoundError(f"the built-in demo model is missing ({DEMO_MODEL_DIR}); pass --model, or train it: "
                                 "python -m dinfer_jax.train --out dinfer_jax/demo_model")
@@ -114,6 +116,16 @@ def _gen_shape(a, model_dir: str) -> tuple[int, int]:
     return gen, block
 
 
+def _warn_off_defaults(defaults: dict, model_dir: str, **chosen):
+    """One stderr line when the chosen lengths differ from the model folder's generation defaults
+    (the demo model, e.g., answers only in the 16-token region it was trained on)."""
+    off = [f"--{k.replace('_', '-')} {v} (default {defaults[k]})" for k, v in chosen.items()
+           if k in defaults and v != defaults[k]]
+    if off:
+        print(f"dinfer-jax: warning: {', '.join(off)}: not the generation defaults of this model "
+              f"({os.path.join(model_dir, 'generation_config.json')}); it may not answer correctly", file=sys.stderr)
+
+
 def _load_model(a, model_dir: str):
     """load_model with the scale flags: multi-host init (--coordinator ...) and --mesh."""
     from dinfer_jax import load_model, sharding
@@ -127,7 +139,7 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
     if a.prompt is not None:
         if tok is None:
             raise ValueError(f"--prompt needs {os.path.join(model_dir, 'tokenizer.json')}; pass --prompt-ids instead")
-        ids = tok.encode(a.prompt)
+        ids = tok.encode_prompt(a.prompt, "--prompt")
         if not ids:
             raise ValueError("--prompt is empty")
         return ids
@@ -136,11 +148,14 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
 
 def _sampling_params(a, model_dir: str):
     from dinfer_jax import SamplingParams
+    from dinfer_jax.checkpoint import generation_defaults
     gen_length, block_length = _gen_shape(a, model_dir)
-    return SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
-                          threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
-                          cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                          early_stop=not a.no_early_stop)
+    sp = SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
+                        threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
+                        cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
+                        early_stop=not a.no_early_stop).validate()
+    _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
+    return sp
 
 
 def _add_model_and_prompt_flags(p):
@@ -207,6 +222,10 @@ def cmd_eval(a):
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
     gen_length, block_length = _gen_shape(a, model_dir)
+    from dinfer_jax import SamplingParams
+    from dinfer_jax.checkpoint import generation_defaults
+    SamplingParams(gen_length=gen_length, block_length=block_length).validate()
+    _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
     overrides = dict(threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -396,9 +415,20 @@ def cmd_bench(a):
         print(format_table(rows))
 
 
+def _check_writable_dir(path: str, what: str):
+    """Create `path` if needed; OSError naming `what` when it cannot be written (before long work)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"{what} {path!r} is not writable ({e.strerror or e})") from None
+
+
 def cmd_profile(a):
     import numpy as np
     from dinfer_jax.profiling import profile_generation
+    _check_writable_dir(a.logdir, "--logdir")  # before the model loads and compiles
     model_dir, tok, ids, sp, model = _prompt_setup(a)
     out = profile_generation(model, [np.asarray(ids)], sp, a.logdir, a.repeats)
     if _is_main_process():
@@ -432,11 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", choices=DTYPES, default=None, help="cast params (default: keep the checkpoint's)")
     c.add_argument("--quiet", action="store_true")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty DST_DIR whole")
     c.set_defaults(fn=cmd_convert)
     e = sub.add_parser("export", help="dinfer-jax checkpoint -> HF safetensors folder")
     e.add_argument("src")
     e.add_argument("dst")
     e.add_argument("--quiet", action="store_true")
+    e.add_argument("--overwrite", action="store_true", help="replace a non-empty HF_DIR whole")
     e.set_defaults(fn=cmd_export)
     i = sub.add_parser("info", help="print the config of a model folder")
     i.add_argument("model")
@@ -526,15 +558,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _message(e: Exception) -> str:
+    """One line for the user: a bad setting names its flag; an OSError its file."""
+    from dinfer_jax.engine import InvalidParam
+    if isinstance(e, InvalidParam):
+        return f"--{e.field.replace('_', '-')}: {e}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return " ".join(str(e).split())
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    from converters.errors import ConversionError
-    from dinfer_jax.config import ConfigError
+    args = None
     try:
+        args = build_parser().parse_args(argv)
         args.fn(args)
-    except (ConversionError, ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"dinfer-jax: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
+        print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # the command's own cleanup (finally blocks) has run by now
+        print(f"dinfer-jax: interrupted{f' ({args.cmd})' if args else ''}", file=sys.stderr)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(130)  # not SystemExit: interpreter shutdown would print from the threads jax/orbax left
 
 
 if __name__ == "__main__":

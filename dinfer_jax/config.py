@@ -283,9 +283,10 @@ def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
             return {}
         try:
             with open(path) as f:
-                return json.load(f)
-        except (OSError, json.JSONDecodeError):
+                d = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return {}
+        return d if isinstance(d, dict) else {}
 
     gen = read("generation_config.json")
     for k in ("eos_token_id", "pad_token_id", "mask_token_id"):
@@ -318,12 +319,19 @@ def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
 def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
+        if os.path.isdir(os.path.join(folder, "params")):
+            raise ConfigError(f"{folder}: incomplete dinfer-jax checkpoint (conversion did not finish): params/ but "
+                              "no config.json; delete the folder and convert again")
         raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    with open(path) as f:
-        try:
+    try:
+        with open(path) as f:
             hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, got a {type(hf).__name__}")
     return from_hf_dict(hf, special_ids_from_files(folder))
 
 

@@ -4,6 +4,8 @@ and a cache of compiled generation programs (one per static spec x bucket).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import time
 import warnings
 from typing import Sequence
@@ -16,6 +18,70 @@ from dinfer_jax.decoding.loop import CACHES, KNOBS, DecodeSpec, generate_loop
 from dinfer_jax.decoding.strategies import FIXED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
+
+
+class InvalidParam(ValueError):
+    """A bad decoding setting or prompt; `.field` names it (the CLI maps it to a flag, the server
+    answers 400 with it as `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# Every per-field rule of SamplingParams: field -> (kind, low, low inclusive, high, high inclusive).
+_INT, _FLOAT, _BOOL = "int", "float", "bool"
+_RULES = {
+    "gen_length": (_INT, 1, True, None, False),
+    "block_length": (_INT, 1, True, None, False),
+    "steps": (_INT, 1, True, None, False),  # or None
+    "refresh_every": (_INT, 0, True, None, False),
+    "prefix_look": (_INT, 0, True, None, False),
+    "after_look": (_INT, 0, True, None, False),
+    "warmup_steps": (_INT, 0, True, None, False),
+    "seed": (_INT, 0, True, 2**32, False),
+    "threshold": (_FLOAT, 0.0, False, 1.0, True),
+    "low_threshold": (_FLOAT, 0.0, False, 1.0, True),
+    "factor": (_FLOAT, 0.0, False, None, False),
+    "temperature": (_FLOAT, 0.0, True, None, False),
+    "cont_weight": (_FLOAT, 0.0, True, 1.0, True),
+    "credit_alpha": (_FLOAT, 0.0, True, None, False),
+    "credit_gamma": (_FLOAT, 0.0, True, None, False),
+    "credit_beta": (_FLOAT, 0.0, True, 1.0, True),
+    "smoothing": (_BOOL,), "early_stop": (_BOOL,), "start_block_align": (_BOOL,),
+    "editing_threshold": (_FLOAT, 0.0, True, 1.0, True),  # or None
+    "max_post_steps": (_INT, 0, True, 1024, True),
+    "num_to_transfer": (_INT, 1, True, None, False),
+    "top_k": (_INT, 0, True, None, False),
+    "top_p": (_FLOAT, 0.0, False, 1.0, True),
+}
+
+
+def _range_text(lo, lo_in, hi, hi_in) -> str:
+    if hi is None:
+        return f"{'>=' if lo_in else '>'} {lo}"
+    if lo == 0 and hi == 2**32:
+        return "in [0, 2**32)"
+    return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def _check_field(name: str, v):
+    """The value of one field, normalised (python int / float / bool), or InvalidParam."""
+    kind = _RULES[name][0]
+    if kind == _BOOL:
+        if not isinstance(v, (bool, np.bool_)):
+            raise InvalidParam(name, f"{name}={v!r} must be true or false")
+        return bool(v)
+    _, lo, lo_in, hi, hi_in = _RULES[name]
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or (
+            kind == _INT and not isinstance(v, numbers.Integral)):
+        what = "an integer" if kind == _INT else "a number"
+        raise InvalidParam(name, f"{name}={v!r} must be {what} {_range_text(lo, lo_in, hi, hi_in)}")
+    v = int(v) if kind == _INT else float(v)
+    ok = math.isfinite(v) and (v >= lo if lo_in else v > lo) and (hi is None or (v <= hi if hi_in else v < hi))
+    if not ok:
+        raise InvalidParam(name, f"{name}={v!r} must be {_range_text(lo, lo_in, hi, hi_in)}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,28 +120,51 @@ class SamplingParams:
     top_k: int = 0  # temperature > 0: keep the k most probable tokens (0: all)
     top_p: float = 1.0  # temperature > 0: nucleus (1.0: off)
 
-    def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
-        if self.cache not in CACHES:
-            raise ValueError(f"cache={self.cache!r} is not one of {CACHES}")
-        if self.gen_length <= 0 or self.block_length <= 0 or self.gen_length % self.block_length:
-            raise ValueError(f"gen_length={self.gen_length} must be a positive multiple of "
-                             f"block_length={self.block_length}")
-        steps_per_block = 0
+    def __post_init__(self):
+        """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
+        the CLI, the library and the server alike; rules between fields are checked by `spec`."""
+        if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
+            raise InvalidParam("strategy", f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if not isinstance(self.cache, str) or self.cache not in CACHES:
+            raise InvalidParam("cache", f"cache={self.cache!r} is not one of {CACHES}")
+        for name in _RULES:
+            v = getattr(self, name)
+            if name in ("steps", "editing_threshold") and v is None:
+                continue
+            object.__setattr__(self, name, _check_field(name, v))
+
+    def validate(self) -> "SamplingParams":
+        """The rules between fields (the per-field ones ran at construction); returns self."""
+        if self.gen_length % self.block_length:
+            raise InvalidParam("gen_length", f"gen_length={self.gen_length} must be a positive multiple of "
+                                             f"block_length={self.block_length}")
         if self.strategy in FIXED:
             nb = self.gen_length // self.block_length
             steps = self.gen_length if self.steps is None else self.steps
-            if steps <= 0 or steps % nb:
-                raise ValueError(f"steps={steps} must be a positive multiple of the number of blocks ({nb})")
-            steps_per_block = steps // nb
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
-        if self.num_to_transfer < 1 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"num_to_transfer={self.num_to_transfer} must be >= 1, top_k={self.top_k} >= 0, "
-                             f"top_p={self.top_p} in (0, 1]")
+            if steps % nb:
+                raise InvalidParam("steps", f"steps={steps} must be a positive multiple of the number of blocks ({nb})")
+        if self.smoothing and self.cache == "prefix":
+            raise InvalidParam("smoothing", "iteration smoothing with the prefix cache is not supported "
+                                            "(use none, dual or vicinity)")
+        if self.cache == "block":
+            if self.strategy != "threshold":
+                raise InvalidParam("strategy", f"cache='block' (block diffusion) decodes with strategy 'threshold' "
+                                               f"(LLaDA2's rule), not {self.strategy!r}")
+            for name in ("smoothing", "start_block_align", "refresh_every"):
+                if getattr(self, name):
+                    raise InvalidParam(name, f"cache='block' takes no {name}")
+        elif self.editing_threshold is not None:
+            raise InvalidParam("editing_threshold", "token editing (editing_threshold) needs cache='block' "
+                                                    "(block diffusion)")
+        return self
+
+    def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
+        """The static part (the compiled program's key), after `validate`."""
+        self.validate()
+        steps_per_block = 0
+        if self.strategy in FIXED:
+            nb = self.gen_length // self.block_length
+            steps_per_block = (self.gen_length if self.steps is None else self.steps) // nb
         return DecodeSpec(
             gen_length=self.gen_length, block_length=self.block_length, strategy=self.strategy,
             steps_per_block=steps_per_block, cache=self.cache, refresh_every=self.refresh_every,
@@ -101,6 +190,40 @@ class GenerationResult:
     batch_nfe_window: int
     seconds: float
     edits: list[int] | None = None  # block diffusion with editing: token-to-token edits per prompt
+
+
+def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
+    """prompts (a flat id list = one prompt, a list of id lists, (L,) or (B, L) array) -> int32 rows."""
+    if isinstance(prompts, (str, bytes)) or (isinstance(prompts, (list, tuple)) and prompts
+                                             and isinstance(prompts[0], (str, bytes))):
+        raise InvalidParam("prompt", "prompts must be token ids, got text (encode it with the model's "
+                                     "tokenizer: dinfer_jax.tokenizer.load_tokenizer(folder).encode_prompt)")
+    if hasattr(prompts, "shape"):  # one array: (L,) is one prompt, (B, L) a batch
+        arr = np.asarray(prompts)
+        prompts = [arr] if arr.ndim <= 1 else list(arr)
+    elif not isinstance(prompts, (list, tuple)):
+        raise InvalidParam("prompt", f"prompts must be a list of token-id lists or an array, got "
+                                     f"{type(prompts).__name__}")
+    elif len(prompts) and not isinstance(prompts[0], (list, tuple, np.ndarray)):  # a flat id list: one prompt
+        prompts = [prompts]
+    if not len(prompts):
+        raise InvalidParam("prompt", "no prompts given")
+    rows = []
+    for i, p in enumerate(prompts):
+        try:
+            arr = np.asarray(p)
+        except ValueError as e:  # ragged nesting
+            raise InvalidParam("prompt", f"prompt {i} is not a flat sequence of token ids ({e})") from None
+        if arr.size == 0:
+            raise InvalidParam("prompt", f"prompt {i} is empty")
+        if arr.ndim != 1:
+            raise InvalidParam("prompt", f"each prompt must be a 1-D sequence of token ids, got shape {arr.shape} "
+                                         f"(prompt {i})")
+        try:
+            rows.append(check_ids(arr))
+        except ValueError as e:
+            raise InvalidParam("prompt", f"prompt {i}: {e}") from None
+    return rows
 
 
 def _bucket_batch(b: int) -> int:
@@ -139,29 +262,22 @@ class Generator:
 
     def _prepare(self, prompts, params, observe: bool = False, observer_id: int = 0):
         cfg = self.model.config
-        if hasattr(prompts, "shape"):  # one array: (L,) is one prompt, (B, L) a batch
-            arr = np.asarray(prompts)
-            prompts = [arr] if arr.ndim == 1 else list(arr)
-        elif len(prompts) and np.ndim(prompts[0]) == 0:  # a flat list of ids is one prompt
-            prompts = [prompts]
-        if not len(prompts):
-            raise ValueError("no prompts given")
-        rows = []
-        for p in prompts:
-            arr = np.asarray(p)
-            if arr.ndim != 1:
-                raise ValueError(f"each prompt must be a 1-D sequence of token ids, got shape {arr.shape}")
-            rows.append(self.model.check_ids(arr))
-        for r in rows:
+        rows = _prompt_rows(prompts, self.model.check_ids)
+        for i, r in enumerate(rows):
             if (r == cfg.mask_token_id).any():
-                raise ValueError(f"prompt contains the mask token id {cfg.mask_token_id}")
+                raise InvalidParam("prompt", f"prompt contains the mask token id {cfg.mask_token_id} (prompt {i})")
         per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(rows)
         if len(per_row) != len(rows):
-            raise ValueError(f"{len(per_row)} SamplingParams for {len(rows)} prompts (give one, or one per prompt)")
+            raise InvalidParam("params", f"{len(per_row)} SamplingParams for {len(rows)} prompts "
+                                         "(give one, or one per prompt)")
+        bad = [type(p).__name__ for p in per_row if not isinstance(p, SamplingParams)]
+        if bad:
+            raise InvalidParam("params", f"params must be SamplingParams (or a list of them), got {bad[0]}")
         spec = per_row[0].spec(cfg.mask_token_id, cfg.eos_id)
         if spec.cache == "block" and cfg.attention_mask != "block_causal":
-            raise ValueError(f"cache='block' (block diffusion) needs a block-causal model; this {cfg.family} model "
-                             f"has {cfg.attention_mask} attention (use none, prefix, dual or vicinity)")
+            raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
+                                        f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
+                                        f"dual or vicinity)")
         for i, p in enumerate(per_row[1:], 1):
             other = p.spec(cfg.mask_token_id, cfg.eos_id)
             if other != spec:
@@ -175,7 +291,7 @@ class Generator:
         gen_start = _bucket_len(max(len(r) for r in rows) + spec.head_room)
         Lc = gen_start + spec.gen_length + spec.tail_room
         if max(len(r) for r in rows) + spec.gen_length > cfg.max_position_embeddings:
-            raise ValueError(f"prompt + gen_length = {max(len(r) for r in rows) + spec.gen_length} exceeds "
+            raise InvalidParam("gen_length", f"prompt + gen_length = {max(len(r) for r in rows) + spec.gen_length} exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         pad_id = cfg.pad_id
         canvas = np.full((B, Lc), pad_id, np.int32)
@@ -232,7 +348,7 @@ class Generator:
             toks = raw[b].tolist()
             cut = next((i for i, t_ in enumerate(toks) if t_ in stops), len(toks))
             out.append(toks[:cut])
-            real = int(np.sum((raw[b] != cfg.eos_token_id) & (raw[b] != cfg.mask_token_id)))
+            real = int(np.sum((raw[b] != cfg.eos_id) & (raw[b] != cfg.mask_token_id)))
             tpf.append(real / max(1, int(stats["row_nfe"][b])))
         edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,

@@ -92,11 +92,14 @@ class Model:
         return Generator(self)
 
     def check_ids(self, ids) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        try:
+            arr = np.asarray(ids)
+        except ValueError as e:  # ragged nesting
+            raise ValueError(f"token ids must be a rectangular (L,) or (B, L) array ({e})") from None
         if arr.ndim not in (1, 2) or arr.size == 0:
             raise ValueError(f"token ids must be a non-empty (L,) or (B, L) array, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
         bad = (arr < 0) | (arr >= self.config.vocab_size)
         if bad.any():
             raise ValueError(f"token id {int(arr[bad].flat[0])} is out of the vocabulary "
@@ -125,8 +128,7 @@ def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: st
     (converted on the fly, in memory). dtype: params dtype (default fp32 on CPU, bf16 elsewhere).
     mesh: place the params on it (a dinfer-jax checkpoint is restored straight into the target
     shardings, slab by slab, whatever mesh it was saved from)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model folder {path!r} does not exist")
+    path = ckpt.check_model_folder(path)
     dtype = default_dtype() if dtype is None else dtype
     if mesh is not None and ckpt.is_checkpoint(path):
         cfg = ckpt.read_config(path)

@@ -26,7 +26,7 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dinfer_jax.engine import SamplingParams
+from dinfer_jax.engine import InvalidParam, SamplingParams
 
 STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy"]
 CACHE = Literal["none", "prefix", "dual", "vicinity"]
@@ -37,23 +37,25 @@ class QueueFull(Exception):
 
 
 class DinferFields(BaseModel):
-    """Extra body fields: dInfer's decoding settings (None = the server's default)."""
+    """Extra body fields: dInfer's decoding settings (None = the server's default). Only their
+    types are declared here; their rules live in SamplingParams (one place for the CLI, the library
+    and the server), whose InvalidParam becomes a 400 naming the field."""
     model_config = ConfigDict(extra="forbid")
-    threshold: Optional[float] = Field(None, gt=0.0, le=1.0)
-    low_threshold: Optional[float] = Field(None, gt=0.0, le=1.0)
-    block_length: Optional[int] = Field(None, ge=1, le=1024)
+    threshold: Optional[float] = None
+    low_threshold: Optional[float] = None
+    block_length: Optional[int] = None
     strategy: Optional[STRATEGY] = None
     cache: Optional[CACHE] = None
-    steps: Optional[int] = Field(None, ge=1)
-    factor: Optional[float] = Field(None, gt=0.0)
+    steps: Optional[int] = None
+    factor: Optional[float] = None
     smoothing: Optional[bool] = None
 
 
 class CommonFields(DinferFields):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0, le=10.0)
-    seed: Optional[int] = Field(None, ge=0, lt=2**32)
+    temperature: Optional[float] = None
+    seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[dict] = None
     n: Optional[int] = None
@@ -282,27 +284,27 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             upd["temperature"] = req.temperature
         if req.seed is not None:
             upd["seed"] = req.seed
-        block = min(upd.get("block_length", d.block_length), max_tokens)
-        upd["block_length"] = block
-        upd["gen_length"] = -(-max_tokens // block) * block
-        strategy = upd.get("strategy", d.strategy)
-        if strategy in ("fixed", "random") and "steps" in upd and upd["steps"] % (upd["gen_length"] // block):
-            raise BadRequest(f"steps={upd['steps']} must be a multiple of the number of blocks "
-                             f"({upd['gen_length'] // block})", "steps")
-        if strategy in ("fixed", "random") and "steps" not in upd:
-            upd["steps"] = upd["gen_length"]
-        p = dataclasses.replace(d, **upd)
         try:
+            block = dataclasses.replace(d, **upd).block_length  # the engine's rules (InvalidParam)
+            block = min(block, max_tokens)
+            upd["block_length"] = block
+            upd["gen_length"] = -(-max_tokens // block) * block
+            if upd.get("strategy", d.strategy) in ("fixed", "random") and "steps" not in upd:
+                upd["steps"] = upd["gen_length"]
+            p = dataclasses.replace(d, **upd)
             p.spec(model.config.mask_token_id, model.config.eos_token_id)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
+        except InvalidParam as e:
+            raise BadRequest(str(e), e.field) from None
         return p
 
-    def encode(prompt, what="prompt") -> list[int]:
+    def encode(prompt, what="prompt", allow_special=False) -> list[int]:
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise BadRequest(f"{what}: this model has no tokenizer.json; send token ids", what)
-            ids = tokenizer.encode(prompt)
+            try:
+                ids = tokenizer.encode_prompt(prompt, what, allow_special=allow_special)
+            except ValueError as e:
+                raise BadRequest(str(e), what) from None
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -415,13 +417,20 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest("this model folder has no tokenizer.json, so chat is unavailable; use /v1/completions "
                              "with token ids")
         from dinfer_jax.chat import ChatTemplateError
+        for i, m in enumerate(req.messages):  # user text must not smuggle in special tokens
+            content = m.get("content") if isinstance(m, dict) else None
+            parts = [content] if isinstance(content, str) else [
+                c.get("text") for c in content or [] if isinstance(c, dict) and isinstance(c.get("text"), str)] \
+                if isinstance(content, list) else []
+            for part in filter(None, parts):
+                encode(part, f"messages[{i}].content")
         try:
             text = chat_formatter(req.messages)
         except ChatTemplateError as e:
             raise BadRequest(str(e), "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
         p = sampling(req, max_tokens)
-        ids = encode(text, "messages")
+        ids = encode(text, "messages", allow_special=True)
         limits(ids, max_tokens, p)
         jobs = await run_jobs([ids], p, max_tokens, req.stream)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}

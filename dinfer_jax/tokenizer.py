@@ -32,6 +32,29 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text, what: str = "prompt", allow_special: bool = False) -> list[int]:
+        """Ids of user text, or a ValueError naming `what`: special tokens written in the text (e.g. a
+        literal "<|endoftext|>", which would otherwise become the EOS id) unless `allow_special`
+        (text made by a chat template), and characters the vocabulary lacks (which would silently
+        become the unknown token)."""
+        if not isinstance(text, str):
+            raise ValueError(f"{what} must be text, got {type(text).__name__}")
+        if not allow_special:
+            found = sorted({t.content for t in self.tok.get_added_tokens_decoder().values()
+                            if t.special and t.content and t.content in text})
+            if found:
+                raise ValueError(f"{what} contains the special token {found[0]!r} as text; special tokens cannot be "
+                                 "written in a prompt (pass token ids instead, e.g. --prompt-ids)")
+        enc = self.tok.encode(text, add_special_tokens=False)
+        unk_token = getattr(self.tok.model, "unk_token", None)
+        unk = self.tok.token_to_id(unk_token) if isinstance(unk_token, str) else None
+        if unk is not None:
+            bad = [text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk and text[a:b] != unk_token]
+            if bad:
+                chars = ", ".join(repr(c) for c in dict.fromkeys(bad))
+                raise ValueError(f"{what} has {len(bad)} character(s) the tokenizer does not know: {chars}")
+        return enc.ids
+
     def encode_batch(self, texts) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 

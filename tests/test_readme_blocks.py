@@ -1,0 +1,182 @@
+"""Every fenced code block of README.md runs, unless the README marks it `<!-- not-run: reason -->`
+(the comment right before the fence).
+
+- ```python blocks are executed; ```bash blocks line by line: `dinfer-jax ...` in-process through
+  `cli.main` (exit 0; a `# -> TEXT` comment must appear in stdout), `dinfer-jax serve ... &` as a
+  background server on a free port (stopped after the blocks that use it), `curl` as a subprocess.
+- Placeholders: `path/to/checkpoint-or-hf-folder` and `ckpt/` -> the built-in demo model; port 8000
+  -> a free port. Anything else in a runnable block fails the test: run it or mark it not-run.
+- Fences without a language are diagrams / text and are not run.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dinfer_jax.checkpoint import DEMO_MODEL_DIR
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+CODE_LANGS = {"bash", "sh", "shell", "python", "py"}
+PLACEHOLDERS = {"path/to/checkpoint-or-hf-folder": DEMO_MODEL_DIR, "ckpt/": DEMO_MODEL_DIR + "/"}
+
+
+def blocks(path=README) -> list[dict]:
+    """Fenced blocks: {line, lang, code, skip (the not-run reason or None)}."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    out, i, pending = [], 0, None
+    while i < len(lines):
+        s = lines[i].strip()
+        if s.startswith("<!--"):
+            comment = s
+            while "-->" not in comment and i + 1 < len(lines):
+                i += 1
+                comment += " " + lines[i].strip()
+            m = re.match(r"<!--\s*not-run:\s*(.*?)\s*-->", comment)
+            pending = m.group(1) if m else pending
+        elif s.startswith("```"):
+            lang, start, code = s[3:].strip().lower(), i + 1, []
+            i += 1
+            while i < len(lines) and not lines[i].strip().startswith("```"):
+                code.append(lines[i])
+                i += 1
+            out.append({"line": start, "lang": lang, "code": "\n".join(code), "skip": pending})
+            pending = None
+        elif s:
+            pending = None  # the marker must come right before its fence
+        i += 1
+    return out
+
+
+def units() -> list[list[dict]]:
+    """Runnable blocks in README order; a block that starts a server takes the blocks that use it."""
+    out = []
+    for b in blocks():
+        if b["skip"] or b["lang"] not in CODE_LANGS:
+            continue
+        if out and ":8000" in b["code"] and "serve" in out[-1][0]["code"] and "&" in out[-1][0]["code"]:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+def test_every_code_block_runs_or_says_why_not():
+    found = blocks()
+    assert len(found) >= 10, "README parse found too few blocks"
+    for b in found:
+        if b["skip"] is not None:
+            assert len(b["skip"]) > 10, f"README.md:{b['line']}: give the reason a block is not run"
+        elif b["lang"]:
+            assert b["lang"] in CODE_LANGS, (f"README.md:{b['line']}: ```{b['lang']} is not run by this test; "
+                                             "use bash/python or mark it <!-- not-run: reason -->")
+    assert sum(len(u) for u in units()) >= 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _substitute(code: str, port: int) -> str:
+    for k, v in PLACEHOLDERS.items():
+        code = code.replace(k, v)
+    return code.replace(":8000", f":{port}").replace("--port 8000", f"--port {port}")
+
+
+def _commands(code: str):
+    """(argv, expected stdout text or None, background) per shell command."""
+    for line in code.replace("\\\n", " ").splitlines():
+        m = re.search(r"#\s*->\s*(\S+)", line)
+        argv = shlex.split(line, comments=True)
+        if argv:
+            bg = argv[-1] == "&"
+            yield (argv[:-1] if bg else argv), (m.group(1) if m else None), bg
+
+
+def _wait_healthy(proc, port: int, timeout: float = 240):
+    import httpx
+    t = time.time()
+    while time.time() - t < timeout:
+        if proc.poll() is not None:
+            pytest.fail(f"the README's server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail("the README's server did not start")
+
+
+def _run_shell(block, port, servers):
+    from dinfer_jax import cli
+    for argv, expect, bg in _commands(_substitute(block["code"], port)):
+        where = f"README.md:{block['line']}: {' '.join(argv)}"
+        if argv[0] == "dinfer-jax" and bg:
+            p = subprocess.Popen([sys.executable, "-m", "dinfer_jax.cli"] + argv[1:], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+            servers.append(p)
+            _wait_healthy(p, port)
+        elif argv[0] == "dinfer-jax":
+            out, err, code = io.StringIO(), io.StringIO(), 0
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    cli.main(argv[1:])
+                except SystemExit as e:
+                    code = e.code or 0
+            assert code == 0, (where, err.getvalue())
+            assert expect is None or expect in out.getvalue(), (where, expect, out.getvalue())
+        elif argv[0] == "curl":
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and '"choices"' in r.stdout, (where, r.stdout, r.stderr)
+        else:
+            pytest.fail(f"{where}: not a command this test can run; mark the block <!-- not-run: reason -->")
+
+
+_MODELS = {}
+
+
+def _cached_load_model(a, model_dir):
+    """The CLI's loader, keeping one Model per folder across in-process commands (so commands with
+    equal settings share compiled programs); mesh / multi-host flags load afresh."""
+    if getattr(a, "mesh", None) or getattr(a, "coordinator", None):
+        return _REAL_LOAD(a, model_dir)
+    if model_dir not in _MODELS:
+        _MODELS[model_dir] = _REAL_LOAD(a, model_dir)
+    return _MODELS[model_dir]
+
+
+from dinfer_jax import cli as _cli  # noqa: E402
+_REAL_LOAD = _cli._load_model
+
+
+@pytest.mark.parametrize("unit", units(), ids=lambda u: f"line{u[0]['line']}")
+def test_readme_block_runs(unit, monkeypatch):
+    monkeypatch.setattr(_cli, "_load_model", _cached_load_model)
+    port, servers = _free_port(), []
+    try:
+        for block in unit:
+            code = _substitute(block["code"], port)
+            if block["lang"] in ("python", "py"):
+                if "from openai import" in code:
+                    pytest.importorskip("openai")
+                exec(compile(code, f"README.md:{block['line']}", "exec"), {"__name__": "__readme__"})
+            else:
+                if "curl " in code and not any(os.access(os.path.join(d, "curl"), os.X_OK)
+                                               for d in os.environ.get("PATH", "").split(os.pathsep)):
+                    pytest.skip("curl is not installed")
+                _run_shell(block, port, servers)
+    finally:
+        for p in servers:
+            p.terminate()
+            p.wait(timeout=30)
