@@ -146,14 +146,26 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
     return a.prompt_ids
 
 
+def _block_flags(a) -> dict:
+    """threshold and the block-diffusion SamplingParams fields: explicit flags, else the --edit-mode
+    preset (engine.EDIT_MODES), else the defaults (threshold 0.9, no editing)."""
+    from dinfer_jax.engine import EDIT_MODES
+    out = dict(EDIT_MODES[a.edit_mode]) if a.edit_mode else {}
+    for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p"):
+        if getattr(a, name) is not None:
+            out[name] = getattr(a, name)
+    out.setdefault("threshold", 0.9)
+    return out
+
+
 def _sampling_params(a, model_dir: str):
     from dinfer_jax import SamplingParams
     from dinfer_jax.checkpoint import generation_defaults
     gen_length, block_length = _gen_shape(a, model_dir)
     sp = SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
-                        threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
+                        low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
                         cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                        early_stop=not a.no_early_stop).validate()
+                        early_stop=not a.no_early_stop, **_block_flags(a)).validate()
     _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
     return sp
 
@@ -337,7 +349,7 @@ def _int_list(text):
 
 
 STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy")
-CACHES = ("none", "prefix", "dual", "vicinity")
+CACHES = ("none", "prefix", "dual", "vicinity", "block")
 
 
 def _add_decoding_flags(p, with_lengths: bool = True):
@@ -349,7 +361,8 @@ def _add_decoding_flags(p, with_lengths: bool = True):
                        help="block size (default: the model folder's generation_config.json, else 64; at most gen-length)")
     p.add_argument("--strategy", choices=STRATEGIES, default="threshold",
                    help="which masked tokens to decode each step (default threshold)")
-    p.add_argument("--threshold", type=float, default=0.9, help="threshold strategies: confidence tau (default 0.9)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="threshold strategies: confidence tau (default 0.9, or the --edit-mode preset's)")
     p.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
     p.add_argument("--factor", type=float, default=1.0, help="factor strategy's f")
     p.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length)")
@@ -358,6 +371,16 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
     p.add_argument("--no-early-stop", action="store_true", help="keep decoding blocks after EOS")
+    b = p.add_argument_group("block diffusion (--cache block; LLaDA2.x)")
+    b.add_argument("--edit-mode", choices=("quality", "speed"), default=None,
+                   help="LLaDA2.1 preset: quality = threshold 0.7, editing 0.5; speed = threshold 0.5, editing 0.0 "
+                        "(max-post-steps 16); explicit flags override it")
+    b.add_argument("--editing-threshold", type=float, default=None,
+                   help="LLaDA2.1 token-to-token edits above this probability (default: no editing)")
+    b.add_argument("--max-post-steps", type=int, default=None, help="edit forwards per block after its masks are gone (16)")
+    b.add_argument("--num-to-transfer", type=int, default=None, help="masks committed per step at least (1)")
+    b.add_argument("--top-k", type=int, default=None, help="with --temperature > 0: keep the k most probable tokens")
+    b.add_argument("--top-p", type=float, default=None, help="with --temperature > 0: nucleus sampling")
 
 
 def _add_scale_flags(p):
@@ -381,10 +404,10 @@ def cmd_serve(a):
     model_dir = _model_dir(a)
     d = generation_defaults(model_dir)
     block = a.block_length or d.get("block_length", 64)
-    defaults = SamplingParams(block_length=block, strategy=a.strategy, threshold=a.threshold,
+    defaults = SamplingParams(block_length=block, strategy=a.strategy,
                               low_threshold=a.low_threshold, factor=a.factor, steps=a.steps, cache=a.cache,
                               temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                              early_stop=not a.no_early_stop)
+                              early_stop=not a.no_early_stop, **_block_flags(a))
     name = a.model_name or os.path.basename(os.path.normpath(model_dir))
     cfg = ServerConfig(model_name=name, default_params=defaults,
                        default_max_tokens=a.default_max_tokens or d.get("gen_length", 128), max_tokens=a.max_tokens,

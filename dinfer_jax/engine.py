@@ -84,6 +84,14 @@ def _check_field(name: str, v):
     return v
 
 
+# LLaDA2.1's published decoding presets (reference §6: HF model card / diffusers docs): block 32,
+# temperature 0; "quality" (Q mode) and "speed" (S mode). Use with cache="block".
+EDIT_MODES = {
+    "quality": dict(threshold=0.7, editing_threshold=0.5, max_post_steps=16),
+    "speed": dict(threshold=0.5, editing_threshold=0.0, max_post_steps=16),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings. Static ones select a compiled program; the rest are traced per row.
@@ -153,9 +161,11 @@ class SamplingParams:
             for name in ("smoothing", "start_block_align", "refresh_every"):
                 if getattr(self, name):
                     raise InvalidParam(name, f"cache='block' takes no {name}")
-        elif self.editing_threshold is not None:
-            raise InvalidParam("editing_threshold", "token editing (editing_threshold) needs cache='block' "
-                                                    "(block diffusion)")
+        else:
+            for name, off in (("editing_threshold", None), ("top_k", 0), ("top_p", 1.0), ("num_to_transfer", 1)):
+                if getattr(self, name) != off:
+                    raise InvalidParam(name, f"{name}={getattr(self, name)} applies to block diffusion only "
+                                             f"(cache='block'; LLaDA2's decoder), not cache={self.cache!r}")
         return self
 
     def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:

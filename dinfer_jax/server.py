@@ -9,7 +9,9 @@ Streaming requests select the program variant with a per-iteration host callback
 (decoding/observe.py); each block is sent as soon as it is decoded.
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
-strategy, cache, steps, factor, smoothing (OpenAI clients pass them with `extra_body=`).
+strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
+max_post_steps, num_to_transfer, top_k (OpenAI clients pass them with `extra_body=`); top_p is
+OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dinfer_jax.engine import InvalidParam, SamplingParams
 
 STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy"]
-CACHE = Literal["none", "prefix", "dual", "vicinity"]
+CACHE = Literal["none", "prefix", "dual", "vicinity", "block"]
 
 
 class QueueFull(Exception):
@@ -49,6 +51,11 @@ class DinferFields(BaseModel):
     steps: Optional[int] = None
     factor: Optional[float] = None
     smoothing: Optional[bool] = None
+    # block diffusion (cache "block"; LLaDA2.x): the peers' names
+    editing_threshold: Optional[float] = None
+    max_post_steps: Optional[int] = None
+    num_to_transfer: Optional[int] = None
+    top_k: Optional[int] = None
 
 
 class CommonFields(DinferFields):
@@ -274,8 +281,6 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     def sampling(req: CommonFields, max_tokens: int) -> SamplingParams:
         if req.n not in (None, 1):
             raise BadRequest(f"n={req.n}: one completion per prompt is supported (send the prompt again)", "n")
-        if req.top_p not in (None, 1.0):
-            raise BadRequest(f"top_p={req.top_p}: only top_p=1 (sampling uses the full distribution)", "top_p")
         if req.stop:
             raise BadRequest("stop sequences are not supported (generation ends at the model's EOS)", "stop")
         d = cfg.default_params
@@ -284,6 +289,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             upd["temperature"] = req.temperature
         if req.seed is not None:
             upd["seed"] = req.seed
+        if req.top_p is not None:
+            upd["top_p"] = req.top_p
         try:
             block = dataclasses.replace(d, **upd).block_length  # the engine's rules (InvalidParam)
             block = min(block, max_tokens)
@@ -292,7 +299,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             if upd.get("strategy", d.strategy) in ("fixed", "random") and "steps" not in upd:
                 upd["steps"] = upd["gen_length"]
             p = dataclasses.replace(d, **upd)
-            p.spec(model.config.mask_token_id, model.config.eos_token_id)
+            p.spec(model.config.mask_token_id, model.config.eos_id)
         except InvalidParam as e:
             raise BadRequest(str(e), e.field) from None
         return p

@@ -17,11 +17,22 @@ def _softmax64(l):
     return e / e.sum(-1, keepdims=True)
 
 
+_FWD = {}
+
+
+def _forward(model, block: int):
+    """jit of the full block-causal forward (one per model and block size; jit only batches the ops)."""
+    key = (id(model), block)
+    if key not in _FWD:
+        module = model.module.clone(attention_block=block)
+        _FWD[key] = (model, jax.jit(lambda params, ids: module.apply({"params": params}, ids)[0]))
+    return _FWD[key][1]
+
+
 def reference_block_generate(model, prompt, p):
     cfg = model.config
     M, E, Bk, G = cfg.mask_token_id, cfg.eos_token_id, p.block_length, p.gen_length
-    module = model.module.clone(attention_block=Bk)
-    fwd = jax.jit(lambda params, ids: module.apply({"params": params}, ids)[0])
+    fwd = _forward(model, Bk)
     P = len(prompt)
     nb = -(-(P + G) // Bk)
     x = list(prompt) + [M] * (nb * Bk - P)

@@ -139,6 +139,7 @@ def test_step_cost_does_not_grow_with_generation_length(model):
     dual cache (a full refresh in the body) grows with the canvas."""
     block = _body_flops(model, 128, "block") / _body_flops(model, 16, "block")
     dual = _body_flops(model, 128, "dual") / _body_flops(model, 16, "dual")
+    print(f"program flops gen 128 / gen 16: block {block:.3f}, dual {dual:.3f}")
     assert block < 1.5 and dual > 2.5, (block, dual)
 
 
@@ -164,3 +165,49 @@ def test_canvas_view_shows_edits(model):
     r = generate(model, [prompt], p, observer=view)
     assert r.edits[0] > 0 and view.edits == r.edits[0] and view.steps == r.nfe[0]
     assert "edited" in view.stream.getvalue() and "\x1b[1;33m" in view.stream.getvalue()
+
+
+def test_block_knobs_through_cli_and_server_names(tmp_path):
+    """The peers' knob names reach SamplingParams from the CLI flags and the server body; the
+    edit-mode presets; knobs of this mode are refused (naming the field) with another cache."""
+    import argparse
+
+    from dinfer_jax import cli
+    from dinfer_jax.engine import EDIT_MODES, InvalidParam
+    p = argparse.ArgumentParser()
+    cli._add_decoding_flags(p)
+    a = p.parse_args(["--cache", "block", "--edit-mode", "quality", "--max-post-steps", "4"])
+    assert cli._block_flags(a) == dict(EDIT_MODES["quality"], max_post_steps=4)
+    a = p.parse_args(["--cache", "block", "--edit-mode", "speed", "--threshold", "0.6", "--editing-threshold", "0.1",
+                      "--num-to-transfer", "2", "--top-k", "5", "--top-p", "0.9"])
+    assert cli._block_flags(a) == dict(threshold=0.6, editing_threshold=0.1, max_post_steps=16, num_to_transfer=2,
+                                       top_k=5, top_p=0.9)
+    assert cli._block_flags(p.parse_args([]))["threshold"] == 0.9
+    with pytest.raises(InvalidParam, match="editing_threshold=0.5 applies to block diffusion only") as e:
+        SamplingParams(cache="dual", editing_threshold=0.5).validate()
+    assert e.value.field == "editing_threshold"
+    with pytest.raises(InvalidParam, match="top_p"):
+        SamplingParams(cache="none", top_p=0.5).validate()
+    with pytest.raises(InvalidParam, match="editing_threshold"):
+        SamplingParams(cache="block", editing_threshold=1.5)
+    from dinfer_jax.server import DinferFields
+    assert {"editing_threshold", "max_post_steps", "num_to_transfer", "top_k"} <= set(DinferFields.model_fields)
+
+
+def test_server_block_diffusion_request(model):
+    """/v1/completions with the block-diffusion body fields gives generate()'s tokens; a block-only
+    knob with another cache answers 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from dinfer_jax.server import ServerConfig, create_app
+    body = dict(prompt=PROMPTS[0], max_tokens=16, block_length=8, cache="block", threshold=0.3,
+                editing_threshold=0.3, max_post_steps=3)
+    want = generate(model, [PROMPTS[0]], SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.3,
+                                                         editing_threshold=0.3, max_post_steps=3))
+    app = create_app(model, None, ServerConfig(model_name="tiny-llada2", max_tokens=64, max_batch=4, batch_wait_s=0.0))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want.token_ids[0]
+        r = c.post("/v1/completions", json={**body, "cache": "dual"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "editing_threshold"

@@ -266,9 +266,9 @@ def test_bad_checkpoints_give_one_clear_error(ref, tmp_path):
     sd.pop("model.layers.2.mlp.shared_experts.up_proj.weight")
     qkv = "model.layers.1.attention.query_key_value.weight"
     sd[qkv] = sd[qkv][: -CFG.head_dim]  # one value head short: a wrong fused head layout
-    write_hf_folder(str(tmp_path), CFG, sd)
+    write_hf_folder(str(tmp_path / "src"), CFG, sd)
     with pytest.raises(ConversionError) as e:
-        convert(str(tmp_path), str(tmp_path / "out"), progress=False)
+        convert(str(tmp_path / "src"), str(tmp_path / "out"), progress=False)
     msg = str(e.value)
     assert "1 missing tensors" in msg and "model.layers.2.mlp.shared_experts.up_proj.weight" in msg
     assert f"{qkv}: expected shape [{(4 + 2 * 2) * 16}, 64], found [{(4 + 2 * 2) * 16 - 16}, 64]" in msg
