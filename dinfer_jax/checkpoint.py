@@ -20,7 +20,7 @@ import shutil
 import jax
 import numpy as np
 
-from dinfer_jax.config import ConfigError, ModelConfig, load_hf_config
+from dinfer_jax.config import ConfigError, ModelConfig, load_hf_config, read_json
 
 FORMAT, VERSION = "dinfer-jax", 1
 MANIFEST = "dinfer_jax.json"
@@ -134,13 +134,7 @@ def _slab_dir(folder: str, path: str, layer: int | None) -> str:
 
 def read_manifest(folder: str) -> dict:
     path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as f:
-            man = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e}); the checkpoint is damaged, convert it again") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    man = read_json(path, "; the checkpoint is damaged, convert it again")
     if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
         raise ConfigError(f"{path}: not a dinfer-jax v{VERSION} manifest")
     if not isinstance(man.get("params"), dict) or not all(

@@ -316,6 +316,18 @@ def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
     return out
 
 
+def read_json(path: str, damaged: str = ""):
+    """json.load(path) with one clear ConfigError naming the file (invalid JSON: the message ends with
+    `damaged`, e.g. a hint to convert again; unreadable file: the OS reason)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}){damaged}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+
 def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -323,13 +335,7 @@ def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
             raise ConfigError(f"{folder}: incomplete dinfer-jax checkpoint (conversion did not finish): params/ but "
                               "no config.json; delete the folder and convert again")
         raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    hf = read_json(path)
     if not isinstance(hf, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, got a {type(hf).__name__}")
     return from_hf_dict(hf, special_ids_from_files(folder))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.cache import empty_cache, window_slice
+from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding.strategies import rank_desc
 
 
@@ -167,7 +167,6 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
             new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
-            from dinfer_jax.cache import window_write
             x = window_write(x, new_blk, start_B)
 
         any_mask_after = jnp.any(new_blk == M, axis=-1)
