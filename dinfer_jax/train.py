@@ -1,6 +1,8 @@
-"""Train a small LLaDA-MoE on the demo task suite with the masked-diffusion objective of LLaDA.
+"""Train a small demo dLLM on the demo task suite: a LLaDA-MoE with LLaDA's masked-diffusion
+objective, or (--block-size B) a LLaDA2 block-diffusion model with the block-diffusion objective.
 
   python -m dinfer_jax.train --out DIR [--steps N] [--batch B] [--lr LR] [--workdir W] [--resume]
+  python -m dinfer_jax.train --block-size 4 --out DIR ...   (the block-diffusion demo model)
   (also `dinfer-jax train ...`)
 
 Objective (LLaDA SFT): for each sequence [prompt | answer + EOS padding to gen_length], draw
@@ -9,6 +11,17 @@ probability t (prompt tokens are never masked), and minimise the cross-entropy o
 weighted by 1/t, normalised by the answer-region length. Prompts are left-padded exactly as the
 engine lays them out at inference (pads are not attended; positions count from the first real
 token), so the model is trained on the canvas it will be decoded on.
+
+Block-diffusion objective (--block-size B; LLaDA2 / SDAR style): the canvas is laid out exactly as
+the block loop decodes it (positions count from the first prompt token, block k covers positions
+[kB, (k+1)B), the generation region runs to the end of the block holding position P + G, its tail
+is EOS). One clean block-causal forward gives every layer's K/V; then every block holding generated
+positions is noised independently (t ~ U(eps, 1) per block, stratified; prompt positions never
+masked) and run as a B-token window over that clean cache with its own K/V written over the clean
+ones, exactly the forward the block loop runs at inference: a noisy block sees the clean earlier
+blocks and itself, never its own clean tokens or later blocks. Loss: cross-entropy on the masked
+positions weighted by 1/t, normalised by the generation length; gradients flow through both passes.
+One step thus trains every block of every row at about twice a plain forward's cost.
 
 Outputs: DIR is a dinfer-jax checkpoint (config.json, params stored in bf16, tokenizer.json,
 generation_config.json with the decoding defaults, training.json with the run's record) loadable
@@ -49,23 +62,40 @@ def demo_config(tok: Tokenizer, hidden: int = 256, layers: int = 4, experts: int
         pad_token_id=tok.token_to_id(EOS_TOKEN))
 
 
+def demo_block_config(tok: Tokenizer, block_size: int = 4, hidden: int = 256, layers: int = 4, experts: int = 8,
+                      top_k: int = 2, expert_ffn: int = 64, heads: int = 8, kv_heads: int = 4) -> ModelConfig:
+    """The block-diffusion demo model: LLaDA2 architecture (sigmoid group-limited router with expert
+    bias, one shared expert, a leading dense layer, q/k RMSNorm, GQA, block-causal attention)."""
+    return ModelConfig(
+        family="llada2", vocab_size=tok.vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=hidden // heads, intermediate_size=expert_ffn, rope_theta=10000.0,
+        qk_norm=True, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, router="sigmoid_group",
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1, first_k_dense=1,
+        dense_intermediate_size=hidden, attention_mask="block_causal", block_size=block_size,
+        max_position_embeddings=512, mask_token_id=tok.token_to_id(MASK_TOKEN),
+        eos_token_id=tok.token_to_id(EOS_TOKEN), pad_token_id=tok.token_to_id(EOS_TOKEN))
+
+
 class Batcher:
     """Fresh task problems -> (tokens (B, P+G) int32, pads (B,) int32). Prompts right-aligned at P."""
 
     def __init__(self, tok: Tokenizer, batch: int, prompt_len: int, gen_length: int, seed: int, eos_id: int,
-                 mix: dict | None = None):
+                 mix: dict | None = None, tail: int = 0):
         self.tok, self.B, self.P, self.G, self.eos, self.mix = tok, batch, prompt_len, gen_length, eos_id, mix
+        self.tail = tail
         self.rng = random.Random(seed)
 
     def __call__(self):
         probs = T.sample(self.B, seed=self.rng.getrandbits(63), weights=self.mix)
-        return encode_problems(self.tok, probs, self.P, self.G, self.eos)
+        return encode_problems(self.tok, probs, self.P, self.G, self.eos, self.tail)
 
 
-def encode_problems(tok, probs, P: int, G: int, eos_id: int):
+def encode_problems(tok, probs, P: int, G: int, eos_id: int, tail: int = 0):
+    """-> tokens (B, P + G + tail) [pads | prompt | answer | EOS ...], pads (B,). The tail (EOS) holds
+    the rest of the last block a block-diffusion model decodes past the generation region."""
     prompts = tok.encode_batch([p["prompt"] for p in probs])
     answers = tok.encode_batch([p["answer"] for p in probs])
-    toks = np.full((len(probs), P + G), eos_id, np.int32)
+    toks = np.full((len(probs), P + G + tail), eos_id, np.int32)
     pads = np.zeros((len(probs),), np.int32)
     for i, (p, a) in enumerate(zip(prompts, answers)):
         if len(p) > P or len(a) > G:
@@ -99,6 +129,59 @@ def diffusion_loss(module, params, tokens_BL, pads_B, key, prompt_len: int, mask
     return loss, {"loss": loss, "masked_ce": jnp.sum(ce_BL * m) / n, "masked_acc": acc}
 
 
+def block_diffusion_loss(module, params, tokens_BL, pads_B, key, prompt_len: int, gen_length: int,
+                         block_size: int, mask_id: int, eps: float = 1e-3):
+    """Block-diffusion loss (module doc) -> (loss, metrics). tokens_BL: [pads | prompt | answer, EOS...]
+    with every prompt ending at index prompt_len and L >= prompt_len + gen_length + block_size."""
+    B, L = tokens_BL.shape
+    w = block_windows(tokens_BL, pads_B, key, prompt_len, gen_length, block_size, mask_id, eps)
+    NB = w["x_WS"].shape[0] // B
+    idx_L = jnp.arange(L)
+    positions_BL = jnp.maximum(idx_L[None, :] - pads_B[:, None], 0)
+    key_mask_BL = idx_L[None, :] >= pads_B[:, None]
+    _, kv = module.apply({"params": params}, tokens_BL, positions_BS=positions_BL, key_mask_BL=key_mask_BL)
+    rep = lambda a: jnp.repeat(a, NB, axis=0)  # noqa: E731  row b's windows are rows b*NB .. b*NB+NB-1
+    kv_W = tuple(jnp.repeat(a, NB, axis=1) for a in kv)
+    logits, _ = module.apply({"params": params}, w["x_WS"], positions_BS=w["pos_WS"],
+                             key_mask_BL=rep(key_mask_BL), kv=kv_W, window_start=w["start_W"],
+                             key_positions_BL=rep(positions_BL))
+    clean_WS, masked_WS, t_W = w["clean_WS"], w["masked_WS"], w["t_W"]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    ce_WS = -jnp.take_along_axis(logp, clean_WS[..., None], axis=-1)[..., 0]
+    m = masked_WS.astype(jnp.float32)
+    loss = jnp.sum(ce_WS * m / t_W[:, None]) / (B * gen_length)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    acc = jnp.sum((jnp.argmax(logits, -1) == clean_WS) * m) / n
+    return loss, {"loss": loss, "masked_ce": jnp.sum(ce_WS * m) / n, "masked_acc": acc}
+
+
+def block_windows(tokens_BL, pads_B, key, prompt_len: int, gen_length: int, block_size: int, mask_id: int,
+                  eps: float = 1e-3) -> dict:
+    """The noised blocks of `block_diffusion_loss`: W = B * NB windows of S = block_size tokens (row
+    b's are b*NB .. b*NB+NB-1, NB = ceil(G / S) + 1; windows past a row's generation region carry no
+    masks). -> {x_WS (noised), clean_WS, masked_WS, t_W, start_W (canvas index), pos_WS (positions)}."""
+    B, L = tokens_BL.shape
+    Bs, G = block_size, gen_length
+    NB = -(-G // Bs) + 1  # most blocks a generation region of G tokens can touch
+    k_t, k_p, k_m = jax.random.split(key, 3)
+    P_B = prompt_len - pads_B  # each row's prompt length
+    blk_BN = P_B[:, None] // Bs + jnp.arange(NB)[None, :]  # blocks from the one holding position P
+    end_B = -(-(P_B + G) // Bs) * Bs  # the generation region ends at a block boundary
+    valid_BN = blk_BN * Bs < end_B[:, None]
+    start_BN = jnp.minimum(pads_B[:, None] + blk_BN * Bs, L - Bs)  # invalid windows: clipped, weight 0
+    pos_BNS = blk_BN[..., None] * Bs + jnp.arange(Bs)
+    clean_BNS = jnp.take_along_axis(tokens_BL[:, None, :], (start_BN[..., None] + jnp.arange(Bs)), axis=2)
+    gen_BNS = (pos_BNS >= P_B[:, None, None]) & valid_BN[..., None]
+    W = B * NB
+    t_W = eps + (1 - eps) * (jnp.arange(W) + jax.random.uniform(k_t, ())) / W  # stratified over windows
+    t_W = jax.random.permutation(k_p, t_W)
+    masked_WS = (jax.random.uniform(k_m, (W, Bs)) < t_W[:, None]) & gen_BNS.reshape(W, Bs)
+    clean_WS = clean_BNS.reshape(W, Bs)
+    x_WS = jnp.where(masked_WS, mask_id, clean_WS)
+    return {"x_WS": x_WS, "clean_WS": clean_WS, "masked_WS": masked_WS, "t_W": t_W,
+            "start_W": start_BN.reshape(W), "pos_WS": pos_BNS.reshape(W, Bs)}
+
+
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
     """Random initial params from the model's abstract shapes (no compile): norm scales 1, weights
     normal(0.02), residual-branch outputs (o_proj, down_proj) normal(0.02 / sqrt(2 * layers))."""
@@ -111,6 +194,8 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
         else:
             std = 0.02 / np.sqrt(2 * cfg.num_layers) if path.endswith(("o_proj", "down_proj")) else 0.02
             flat[path] = (rng.standard_normal(sds.shape) * std).astype(np.float32)
+        if path.endswith("router_bias"):  # selection-only bias: no gradient reaches it; balanced at 0
+            flat[path] = np.zeros(sds.shape, np.float32)
     return jax.tree_util.tree_map(jnp.asarray, unflatten(flat))
 
 
@@ -124,13 +209,17 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.0
                        optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=weight_decay, mask=wd_mask)), sched
 
 
-def make_train_step(module, opt, prompt_len: int, mask_id: int):
+def make_train_step(module, opt, prompt_len: int, mask_id: int, block_size: int = 0, gen_length: int = 0):
     import optax
+
+    def loss_fn(p, tokens, pads, key):
+        if block_size:
+            return block_diffusion_loss(module, p, tokens, pads, key, prompt_len, gen_length, block_size, mask_id)
+        return diffusion_loss(module, p, tokens, pads, key, prompt_len, mask_id)
 
     @jax.jit
     def step(params, opt_state, tokens, pads, key):
-        (_, metrics), grads = jax.value_and_grad(
-            lambda p: diffusion_loss(module, p, tokens, pads, key, prompt_len, mask_id), has_aux=True)(params)
+        (_, metrics), grads = jax.value_and_grad(lambda p: loss_fn(p, tokens, pads, key), has_aux=True)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics["grad_norm"] = optax.global_norm(grads)
@@ -138,11 +227,21 @@ def make_train_step(module, opt, prompt_len: int, mask_id: int):
     return step
 
 
+def one_token_per_step(cfg: ModelConfig):
+    """The baseline decoding of a demo model: one token per forward (fixed schedule; block models:
+    the block loop with the threshold out of reach, so each step unmasks its single most probable)."""
+    from dinfer_jax.engine import SamplingParams
+    if cfg.attention_mask == "block_causal":
+        return SamplingParams(gen_length=GEN_LENGTH, block_length=cfg.block_size, strategy="threshold",
+                              threshold=1.0, cache="block")
+    return SamplingParams(gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, strategy="fixed", steps=GEN_LENGTH,
+                          cache="none")
+
+
 def evaluate_tasks(model, tok, n: int, seed: int, sp=None):
     """Exact-match accuracy of `model` on n fresh problems (default: one token per step)."""
-    from dinfer_jax.engine import SamplingParams, generate
-    sp = sp or SamplingParams(gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, strategy="fixed",
-                              steps=GEN_LENGTH, cache="none")
+    from dinfer_jax.engine import generate
+    sp = sp or one_token_per_step(model.config)
     probs = T.sample(n, seed=seed)
     res = generate(model, [np.asarray(ids, np.int32) for ids in tok.encode_batch([p["prompt"] for p in probs])], sp)
     outs = [tok.decode(ids) for ids in res.token_ids]
@@ -195,7 +294,8 @@ def export(out: str, params, cfg: ModelConfig, tok: Tokenizer, record: dict, dty
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_id,
                    "pad_token_id": cfg.pad_token_id,
-                   "dinfer_jax": {"gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH}}, f, indent=1)
+                   "dinfer_jax": {"gen_length": GEN_LENGTH,
+                                  "block_length": cfg.block_size if cfg.block_size else BLOCK_LENGTH}}, f, indent=1)
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)
 
@@ -208,7 +308,7 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
           seed: int = 0, workdir: str | None = None, resume: bool = False, eval_every: int = 250,
           eval_n: int = 128, ckpt_every: int = 500, log_every: int = 25, moe_impl: str = "dense",
           model_kw: dict | None = None, mix: dict | None = None, argv: list[str] | None = None,
-          quiet: bool = False) -> dict:
+          quiet: bool = False, block_size: int = 0) -> dict:
     """Run training; returns {"log": [...], "params": ..., "config": ..., "seconds": ...}."""
     import optax  # noqa: F401  (fail early when missing)
     from dinfer_jax.model import Model
@@ -216,7 +316,10 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
 
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     tok = char_tokenizer()
-    cfg = demo_config(tok, **(model_kw or {}))
+    if block_size < 0 or (block_size and GEN_LENGTH % block_size):
+        raise ValueError(f"--block-size must divide the generation length {GEN_LENGTH}, got {block_size}")
+    cfg = (demo_block_config(tok, block_size, **(model_kw or {})) if block_size
+           else demo_config(tok, **(model_kw or {})))
     P = -(-T.max_prompt_chars() // 4) * 4
     G = GEN_LENGTH
     if T.max_answer_chars() >= G:
@@ -225,9 +328,10 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
     params = init_params(cfg, seed)
     opt, sched = make_optimizer(lr, steps, warmup)
     opt_state = opt.init(params)
-    step_fn = make_train_step(module, opt, P, cfg.mask_token_id)
+    step_fn = make_train_step(module, opt, P, cfg.mask_token_id, block_size, G)
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
-    say(f"demo LLaDA-MoE: {n_params:,} params ({cfg.num_layers} layers, D {cfg.hidden_size}, {cfg.num_experts} "
+    kind = f"LLaDA2 block diffusion (block {block_size})" if block_size else "LLaDA-MoE"
+    say(f"demo {kind}: {n_params:,} params ({cfg.num_layers} layers, D {cfg.hidden_size}, {cfg.num_experts} "
         f"experts top-{cfg.num_experts_per_tok}, F {cfg.intermediate_size}, V {cfg.vocab_size}); "
         f"batch {batch} x (prompt {P} + answer {G}); {steps} steps; jax {jax.__version__} {jax.default_backend()}")
 
@@ -251,7 +355,8 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
 
     eval_model = Model(cfg, params)
     mix = dict(DEFAULT_MIX if mix is None else mix)
-    batcher = Batcher(tok, batch, P, G, seed=seed * 1000003 + start, eos_id=cfg.eos_token_id, mix=mix)
+    batcher = Batcher(tok, batch, P, G, seed=seed * 1000003 + start, eos_id=cfg.eos_token_id, mix=mix,
+                      tail=block_size)
     key = jax.random.key(seed)
     t0 = time.perf_counter() - (log[-1]["seconds"] if log else 0.0)
 
@@ -296,7 +401,8 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
            "lr": lr, "warmup": warmup, "seed": seed, "prompt_len": P, "gen_length": G, "seconds": round(seconds, 1),
            "process_cpu_seconds": round(cpu.user + cpu.system, 1), "cpus": os.cpu_count(),
            "final_loss": round(final_loss, 5), "final_eval_acc": evals[-1] if evals else None,
-           "jax": jax.__version__, "params": n_params, "mix": mix}
+           "jax": jax.__version__, "params": n_params, "mix": mix,
+           "objective": f"block diffusion, block {block_size}" if block_size else "masked diffusion (LLaDA)"}
     if workdir and plot_loss(log, os.path.join(workdir, "loss.png")):
         say(f"loss curve: {os.path.join(workdir, 'loss.png')}")
     if out:
@@ -336,6 +442,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--expert-ffn", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=0,
+                   help="> 0: train a LLaDA2 block-diffusion model with this block size (block-diffusion "
+                        "objective); 0: a LLaDA-MoE with LLaDA's objective (default)")
     return p
 
 
@@ -346,7 +455,8 @@ def main(argv=None):
         raise SystemExit(f"--out {a.out} exists and is not empty")
     train(a.out, steps=a.steps, batch=a.batch, lr=a.lr, warmup=a.warmup, seed=a.seed, workdir=a.workdir,
           resume=a.resume, eval_every=a.eval_every, ckpt_every=a.ckpt_every, moe_impl=a.moe_impl,
-          model_kw=dict(hidden=a.hidden, layers=a.layers, expert_ffn=a.expert_ffn), mix=a.mix, argv=argv)
+          model_kw=dict(hidden=a.hidden, layers=a.layers, expert_ffn=a.expert_ffn), mix=a.mix, argv=argv,
+          block_size=a.block_size)
 
 
 if __name__ == "__main__":
