@@ -192,6 +192,8 @@ def read_params(folder: str, dtype=None, shardings: dict | None = None) -> dict:
 
 # The built-in demo model (trained by `python -m dinfer_jax.train`, see README) ships inside the package.
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+# The block-diffusion demo model (LLaDA2 architecture, block 4; `python -m dinfer_jax.train --block-size 4`).
+DEMO_BLOCK_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_block_model")
 
 
 def generation_defaults(folder: str) -> dict:

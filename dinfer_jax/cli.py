@@ -262,21 +262,51 @@ def cmd_eval(a):
         preds = records
     else:
         if a.suite == "demo":
-            say(f"demo tasks: {a.n} fresh problems (seed {a.seed}), gen {gen_length} block {block_length}, "
-                f"{len(strategies)} strategies x {len(caches)} caches")
-            rows = ev.eval_demo(model, tok, n=a.n, seed=a.seed, strategies=strategies, caches=caches,
-                                gen_length=gen_length, block_length=block_length, batch_size=a.batch_size,
-                                overrides=overrides, progress=progress)
             preds = None
             result.update(n=a.n, seed=a.seed)
+            # without --model: both built-in demo models (LLaDA-MoE, and the LLaDA2 block-diffusion one)
+            from dinfer_jax.checkpoint import DEMO_BLOCK_MODEL_DIR, is_checkpoint
+            runs = [(model_dir, model, tok, gen_length, block_length)]
+            if a.model is None and is_checkpoint(DEMO_BLOCK_MODEL_DIR):
+                d = generation_defaults(DEMO_BLOCK_MODEL_DIR)
+                runs.append((DEMO_BLOCK_MODEL_DIR, load_model(DEMO_BLOCK_MODEL_DIR), load_tokenizer(DEMO_BLOCK_MODEL_DIR),
+                             a.gen_length or d.get("gen_length", 16), d["block_length"]))
+            rows, sections = [], []
+            for path, m, t, gl, bl in runs:
+                name = os.path.basename(os.path.normpath(path))
+                if m.config.attention_mask == "block_causal":
+                    say(f"{name}: demo tasks, {a.n} fresh problems (seed {a.seed}), gen {gl} block {bl}, "
+                        f"block diffusion ({len(ev.BLOCK_SETTINGS)} decoders)")
+                    part = ev.eval_demo_block(m, t, n=a.n, seed=a.seed, gen_length=gl, block_length=bl,
+                                              batch_size=a.batch_size, progress=progress)
+                else:
+                    say(f"{name}: demo tasks, {a.n} fresh problems (seed {a.seed}), gen {gl} block {bl}, "
+                        f"{len(strategies)} strategies x {len(caches)} caches")
+                    part = ev.eval_demo(m, t, n=a.n, seed=a.seed, strategies=strategies, caches=caches,
+                                        gen_length=gl, block_length=bl, batch_size=a.batch_size,
+                                        overrides=overrides, progress=progress)
+                for r in part:
+                    r["model"] = name
+                rows += part
+                sections.append((name, part))
+            result["rows"] = rows
+            text = "\n\n".join(f"## {name}\n\n{ev.format_table(part)}" if len(sections) > 1 else ev.format_table(part)
+                                for name, part in sections)
+            if a.out:
+                with open(os.path.join(a.out, "table.md"), "w") as f:
+                    f.write(text + "\n")
+                for i, (name, part) in enumerate(sections):
+                    png = os.path.join(a.out, "accuracy_vs_tpf.png" if i == 0 else f"accuracy_vs_tpf_{name}.png")
+                    if ev.plot_accuracy_vs_tpf(part, png, title=f"{name}: exact match vs tokens per forward"):
+                        result.setdefault("plots", []).append(png)
         else:
             rows, preds = ev.eval_jsonl(model, tok, a.data, strategies=strategies, caches=caches,
                                         gen_length=gen_length, block_length=block_length,
                                         batch_size=a.batch_size, overrides=overrides, progress=progress)
             result.update(data=os.path.abspath(a.data))
-        result["rows"] = rows
-        text = ev.format_table(rows)
-        if a.out:
+            result["rows"] = rows
+            text = ev.format_table(rows)
+        if a.out and a.suite != "demo":
             with open(os.path.join(a.out, "table.md"), "w") as f:
                 f.write(text + "\n")
             if ev.plot_accuracy_vs_tpf(rows, os.path.join(a.out, "accuracy_vs_tpf.png"),
@@ -549,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(fn=cmd_profile)
     ev = sub.add_parser("eval", help="evaluate: demo tasks (strategy x cache table + plot), a JSONL file, HumanEval")
     ev.add_argument("suite", choices=("demo", "jsonl", "humaneval"))
-    ev.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    ev.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo "
+                    "model; the demo suite then also runs the built-in block-diffusion demo model)")
     ev.add_argument("--data", default=None, help="jsonl suite: a file of {\"prompt\": ..., \"answer\": ...} lines")
     ev.add_argument("--n", type=_positive, default=100, help="demo suite: fresh problems")
     ev.add_argument("--seed", type=int, default=12345, help="demo suite: problem seed")

@@ -272,6 +272,35 @@ class Generator:
             self._programs[key] = jax.jit(run, donate_argnums=(1,))  # outputs keep the canvas sharding
         return self._programs[key]
 
+    def segment_programs(self, spec: DecodeSpec, gen_start: int, batch: int):
+        """Jitted (init, segment, merge) of the continuous-batching loop (decoding/segments.py)."""
+        key = ("segments", spec, gen_start, batch)
+        if key not in self._programs:
+            from dinfer_jax.decoding.segments import merge_rows, segment_program
+            module = self.model.module
+            if module.cfg.attention_mask == "block_causal":
+                module = module.clone(attention_block=spec.block_length)
+            init, segment = segment_program(module, spec, gen_start, gen_start + spec.gen_length + spec.tail_room)
+
+            def counted(fn):
+                def run(*a):
+                    self.compiles += 1  # trace time only
+                    return fn(*a)
+                return run
+            self._programs[key] = (jax.jit(counted(init)), jax.jit(counted(segment), donate_argnums=(1,)),
+                                   jax.jit(merge_rows, donate_argnums=(0,)))
+        return self._programs[key]
+
+    def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int):
+        """An empty continuous batch (decoding/segments.RunningBatch) of `batch` slots for prompts of
+        at most max_prompt_len tokens decoded with params' compiled settings (knobs may differ per row)."""
+        from dinfer_jax.decoding.segments import RunningBatch
+        cfg = self.model.config
+        spec = params.spec(cfg.mask_token_id, cfg.eos_id)
+        if spec.cache == "block" and cfg.attention_mask != "block_causal":
+            raise InvalidParam("cache", "cache='block' (block diffusion) needs a block-causal model")
+        return RunningBatch(self, spec, _bucket_len(max_prompt_len + spec.head_room), batch)
+
     def lower(self, prompts, params: SamplingParams, observe: bool = False):
         """The lowered program for these prompts (for inspection: HLO, while ops, callbacks)."""
         prog, args, *_ = self._prepare(prompts, params, observe)

@@ -22,7 +22,7 @@ import numpy as np
 
 from dinfer_jax.decoding.loop import CACHES
 from dinfer_jax.decoding.strategies import STRATEGIES
-from dinfer_jax.engine import SamplingParams, generate
+from dinfer_jax.engine import EDIT_MODES, SamplingParams, generate
 
 # Per-strategy settings used in the tables (dInfer / Fast-dLLM defaults, shared/reference/decoding.md).
 STRATEGY_SETTINGS = {
@@ -70,6 +70,7 @@ class Run:
     tokens: list[int]  # generated non-EOS tokens per prompt
     seconds: float  # jitted generation calls only (compile excluded)
     compile_seconds: float
+    edits: list[int] = dataclasses.field(default_factory=list)  # block diffusion: token-to-token edits
 
     @property
     def tpf(self) -> float:
@@ -97,7 +98,7 @@ def run_prompts(model, tok, prompt_ids: list[list[int]], sp: SamplingParams, bat
                 seen.add(key)
                 generate(model, [np.asarray(p, np.int32) for p in chunk], sp)
         compile_s = time.perf_counter() - t
-    outs, ids_all, nfe, toks, secs = [], [], [], [], 0.0
+    outs, ids_all, nfe, toks, edits, secs = [], [], [], [], [], 0.0
     for i in range(0, len(prompt_ids), batch_size):
         chunk = [np.asarray(p, np.int32) for p in prompt_ids[i:i + batch_size]]
         r = generate(model, chunk, sp)
@@ -106,9 +107,10 @@ def run_prompts(model, tok, prompt_ids: list[list[int]], sp: SamplingParams, bat
             ids_all.append(ids)
             outs.append(tok.decode(ids) if tok is not None else " ".join(map(str, ids)))
             nfe.append(int(r.nfe[b]))
+            edits.append(int(r.edits[b]) if r.edits is not None else 0)
             raw = np.asarray(r.raw_ids[b])
             toks.append(int(np.sum((raw != cfg.eos_token_id) & (raw != cfg.mask_token_id))))
-    return Run(outs, ids_all, nfe, toks, secs, compile_s)
+    return Run(outs, ids_all, nfe, toks, secs, compile_s, edits)
 
 
 def generation_defaults(model_dir: str | None) -> dict:
@@ -145,7 +147,55 @@ def eval_demo(model, tok, n: int = 100, seed: int = 12345, strategies=("fixed", 
     return rows
 
 
+# Block-diffusion decoders compared on a block-causal model (cache="block"): label -> SamplingParams
+# overrides. The first is the one-token-per-step baseline the others are measured against.
+BLOCK_SETTINGS = {
+    "one/step": dict(threshold=1.0),  # p > 1 never: each step unmasks its most probable token
+    "thr 0.9": dict(threshold=0.9),
+    "thr 0.7": dict(threshold=0.7),
+    "thr 0.5": dict(threshold=0.5),
+    "2.0 steps=B/2": dict(threshold=1.0, steps=-2),  # LLaDA2.0 schedule, B/2 steps per block (2 a step)
+    "edit Q": dict(EDIT_MODES["quality"]),  # LLaDA2.1 Q mode: threshold 0.7, editing 0.5
+    "edit S": dict(EDIT_MODES["speed"]),  # LLaDA2.1 S mode: threshold 0.5, editing 0.0
+}
+
+
+def block_sampling_params(label: str, gen_length: int, block_length: int, **overrides) -> SamplingParams:
+    kw = dict(BLOCK_SETTINGS[label])
+    if kw.get("steps", 0) < 0:  # a fraction of the block
+        kw["steps"] = max(1, block_length // -kw["steps"])
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(gen_length=gen_length, block_length=block_length, strategy="threshold", cache="block", **kw)
+
+
+def eval_demo_block(model, tok, n: int = 100, seed: int = 12345, settings=tuple(BLOCK_SETTINGS), gen_length: int = 16,
+                    block_length: int = 4, batch_size: int = 32, progress=None) -> list[dict]:
+    """Block-diffusion decoders (BLOCK_SETTINGS) on n fresh demo problems -> rows for `format_table`
+    (strategy = the setting's label, cache "block", baseline = the one-token-per-step row)."""
+    from dinfer_jax import tasks as T
+    probs = T.sample(n, seed=seed)
+    prompt_ids = tok.encode_batch([p["prompt"] for p in probs])
+    rows = []
+    for label in settings:
+        sp = block_sampling_params(label, gen_length, block_length)
+        run = run_prompts(model, tok, prompt_ids, sp, batch_size)
+        ok = [o == p["answer"] for o, p in zip(run.outputs, probs)]
+        per_task = {t: float(np.mean([k for k, p in zip(ok, probs) if p["task"] == t]))
+                    for t in T.TASKS if any(p["task"] == t for p in probs)}
+        row = {"strategy": label, "cache": "block", "n": n, "accuracy": float(np.mean(ok)), "per_task": per_task,
+               "nfe": float(np.mean(run.nfe)), "tpf": run.tpf, "tokens_per_s": run.tokens_per_s,
+               "seconds": run.seconds, "compile_seconds": run.compile_seconds, "edits": float(np.mean(run.edits)),
+               "baseline": label == "one/step", "settings": _settings(sp)}
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
 def _settings(sp: SamplingParams) -> dict:
+    if sp.cache == "block":
+        return {"gen_length": sp.gen_length, "block_length": sp.block_length, "threshold": sp.threshold,
+                "steps": sp.steps, "editing_threshold": sp.editing_threshold, "max_post_steps": sp.max_post_steps}
     keys = {"fixed": ("steps",), "random": ("steps",), "threshold": ("threshold",), "factor": ("factor",),
             "credit": ("threshold", "credit_alpha", "credit_gamma", "credit_beta"),
             "hierarchy": ("threshold", "low_threshold")}[sp.strategy]
@@ -153,16 +203,20 @@ def _settings(sp: SamplingParams) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table of eval rows (demo or jsonl). "vs fixed": exact-match points relative to the
-    one-token-per-step (fixed) row with the same cache, when there is one."""
+    """Markdown table of eval rows (demo or jsonl). "vs 1/step": exact-match points relative to the
+    one-token-per-step row with the same cache (strategy fixed, or a row marked baseline), when there
+    is one. Block-diffusion rows add the mean token-to-token edits per problem."""
     tasks = sorted({t for r in rows for t in r.get("per_task", {})})
-    base = {r["cache"]: r["accuracy"] for r in rows if r["strategy"] == "fixed"}
-    head = ["strategy", "cache", "exact match", "vs fixed", "NFE / problem", "tokens / forward", "tokens/s"] + tasks
+    base = {r["cache"]: r["accuracy"] for r in rows if r["strategy"] == "fixed" or r.get("baseline")}
+    edits = any("edits" in r for r in rows)
+    head = (["strategy", "cache", "exact match", "vs 1/step", "NFE / problem", "tokens / forward", "tokens/s"]
+            + (["edits / problem"] if edits else []) + tasks)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         delta = f"{100 * (r['accuracy'] - base[r['cache']]):+.1f}" if r["cache"] in base else ""
         cells = [r["strategy"], r["cache"], f"{100 * r['accuracy']:.1f}%", delta, f"{r['nfe']:.2f}", f"{r['tpf']:.2f}",
-                 f"{r['tokens_per_s']:.0f}"] + [f"{100 * r['per_task'][t]:.0f}%" if t in r.get("per_task", {})
+                 f"{r['tokens_per_s']:.0f}"] + ([f"{r['edits']:.2f}" if "edits" in r else ""] if edits else []) + [
+                     f"{100 * r['per_task'][t]:.0f}%" if t in r.get("per_task", {})
                                                  else "" for t in tasks]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -176,15 +230,15 @@ def plot_accuracy_vs_tpf(rows: list[dict], path: str, title: str = "demo tasks")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    markers = dict(zip(STRATEGIES, "osD^vP"))
-    colors = dict(zip(CACHES, ("C0", "C1", "C2", "C3")))
+    labels = list(dict.fromkeys(r["strategy"] for r in rows))  # strategies, or block-decoder labels
+    markers = dict(zip(labels, "osD^vP*Xh<>"))
+    colors = dict(zip(CACHES, ("C0", "C1", "C2", "C3", "C4", "C5")))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         ax.scatter(r["tpf"], 100 * r["accuracy"], marker=markers.get(r["strategy"], "o"),
                    color=colors.get(r["cache"], "k"), s=50, alpha=0.8)
     from matplotlib.lines import Line2D
-    handles = [Line2D([], [], marker=markers[s], ls="", color="gray", label=s)
-               for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    handles = [Line2D([], [], marker=markers.get(s, "o"), ls="", color="gray", label=s) for s in labels]
     handles += [Line2D([], [], marker="s", ls="", color=colors[c], label=f"cache {c}")
                 for c in CACHES if any(r["cache"] == c for r in rows)]
     ax.legend(handles=handles, fontsize=8, loc="lower left")

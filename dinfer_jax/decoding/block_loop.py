@@ -100,12 +100,12 @@ def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, edi
     return jnp.where(m2t | t2t, v, x_BS), m2t, t2t
 
 
-def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, gen_start: int, active_B, knobs,
-                        observer_id=None):
-    """Block-diffusion generation (module doc). Same contract as loop.generate_loop: returns
-    (canvas_BL, stats). `module` must be block-causal with attention block == spec.block_length."""
+def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
+                         observer_id=None):
+    """Block-diffusion generation (module doc) as loop.loop_functions' (init, body, stat keys); init
+    runs the prefill. `module` must be block-causal with attention block == spec.block_length."""
     cfg = module.cfg
-    B, Lc = canvas_BL.shape
+    B = pad_B.shape[0]
     Bk, M = spec.block_length, spec.mask_id
     gen_end = gen_start + spec.gen_length
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
@@ -114,27 +114,24 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
     row_end_B = pad_B + -(-(prompt_len_B + spec.gen_length) // Bk) * Bk
     n_blocks_B = (row_end_B - first_B) // Bk
     key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < row_end_B[:, None])
-    tail = (idx_L[None, :] >= gen_end) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
-    x0 = jnp.where(tail, M, canvas_BL)
     base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
 
-    with jax.named_scope("prefill"):
-        _, kv_pre = module.apply({"params": params}, tokens_BS=x0[:, :gen_start],
-                                 positions_BS=positions_BL[:, :gen_start], key_mask_BL=key_mask_BL[:, :gen_start],
-                                 logits_window=(jnp.zeros((B,), jnp.int32), 1))
-    kv = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
-    kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, kv_pre))
-
-    state = dict(
-        x=x0, kv=kv, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
-        post=jnp.zeros((B,), jnp.int32), it=jnp.zeros((B,), jnp.int32), done=~active_B,
-        row_nfe=jnp.zeros((B,), jnp.int32), edits=jnp.zeros((B,), jnp.int32),
-        nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
-        steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
-    )
-
-    def cond(s):
-        return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
+    def init(canvas_BL, active_B):
+        tail = (idx_L[None, :] >= gen_end) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
+        x0 = jnp.where(tail, M, canvas_BL)
+        with jax.named_scope("prefill"):
+            _, kv_pre = module.apply({"params": params}, tokens_BS=x0[:, :gen_start],
+                                     positions_BS=positions_BL[:, :gen_start], key_mask_BL=key_mask_BL[:, :gen_start],
+                                     logits_window=(jnp.zeros((B,), jnp.int32), 1))
+        kv = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
+        kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, kv_pre))
+        return dict(
+            x=x0, kv=kv, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
+            post=jnp.zeros((B,), jnp.int32), it=jnp.zeros((B,), jnp.int32), done=~active_B,
+            row_nfe=jnp.zeros((B,), jnp.int32), edits=jnp.zeros((B,), jnp.int32),
+            nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
+            steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
+        )
 
     def body(s):
         active = ~s["done"]
@@ -215,10 +212,4 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
             emit(observer_id, s["iters"], x[:, gen_start:gen_end], new["blk"], done, active)
         return {**s, **new}
 
-    with jax.named_scope("denoise_loop"):
-        final = jax.lax.while_loop(cond, body, state)
-    stats = {k: final[k] for k in ("iters", "row_nfe", "steps_per_block", "done", "edits")}
-    stats["nfe_full"] = jnp.zeros((), jnp.int32)  # no full-canvas forward on this path
-    stats["nfe_window"] = final["nfe_window"] + final["nfe_commit"]
-    stats["nfe_commit"] = final["nfe_commit"]
-    return final["x"], stats
+    return init, body, ("iters", "row_nfe", "steps_per_block", "done", "edits", "nfe_commit")

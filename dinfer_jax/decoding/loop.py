@@ -128,6 +128,9 @@ def _soft_embeddings(module, params, logits_BSV):
     return jnp.einsum("bsv,vd->bsd", p, table)
 
 
+STAT_KEYS = ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "done")
+
+
 def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
                   active_B, knobs: dict[str, Any], observer_id=None):
     """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
@@ -138,12 +141,37 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     observer_id: int32 scalar naming a host observer (decoding/observe.py); used only when
     spec.observe, which adds one host callback per iteration with the generation region.
     """
+    init, body, stat_keys = loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, canvas_BL.shape[1],
+                                           knobs, observer_id)
+
+    def cond(s):
+        return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
+
+    with jax.named_scope("denoise_loop"):
+        final = jax.lax.while_loop(cond, body, init(canvas_BL, active_B))
+    return final["x"], loop_stats(final, stat_keys)
+
+
+def loop_stats(state, stat_keys) -> dict:
+    """The counters a finished (or paused) loop state reports (GenerationResult's stats)."""
+    stats = {k: state[k] for k in stat_keys}
+    if "nfe_commit" in state:  # block mode: every forward is a window (none covers the whole canvas)
+        stats["nfe_full"] = jnp.zeros((), jnp.int32)
+        stats["nfe_window"] = state["nfe_window"] + state["nfe_commit"]
+    return stats
+
+
+def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
+                   observer_id=None):
+    """The loop's pieces -> (init(canvas_BL, active_B) -> state, body(state) -> state, stat keys).
+    Row context (pads, prompt lengths, knobs) comes in as arrays, so a paused state can take new rows
+    between segments (decoding/segments.py): every per-row quantity lives in the state or is derived
+    from the row context; the body never mixes rows."""
     if spec.cache == "block":
-        from dinfer_jax.decoding.block_loop import block_generate_loop
-        return block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, gen_start, active_B, knobs,
-                                   observer_id)
+        from dinfer_jax.decoding.block_loop import block_loop_functions
+        return block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, Lc, knobs, observer_id)
     cfg = module.cfg
-    B, Lc = canvas_BL.shape
+    B = pad_B.shape[0]
     Bk, M = spec.block_length, spec.mask_id
     gen_end = gen_start + spec.gen_length
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
@@ -159,22 +187,21 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     def block_start(blk_B):
         return first_B + blk_B * Bk
 
-    state = dict(
-        x=canvas_BL, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
-        it=jnp.zeros((B,), jnp.int32), done=~active_B, n_entry=jnp.zeros((B,), jnp.int32),
-        nfe_full=jnp.zeros((), jnp.int32), nfe_window=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
-        row_nfe=jnp.zeros((B,), jnp.int32),
-        steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
-    )
-    if spec.cache != "none":
-        state["kv"] = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
-    if spec.strategy == "credit":
-        state["credit"] = jnp.zeros((B, Bk, cfg.vocab_size), jnp.float32)
-    if spec.smoothing:
-        state["soft"] = jnp.zeros((B, Lc, cfg.hidden_size), module.dtype)
-
-    def cond(s):
-        return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
+    def init(canvas_BL, active_B):
+        state = dict(
+            x=canvas_BL, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
+            it=jnp.zeros((B,), jnp.int32), done=~active_B, n_entry=jnp.zeros((B,), jnp.int32),
+            nfe_full=jnp.zeros((), jnp.int32), nfe_window=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
+            row_nfe=jnp.zeros((B,), jnp.int32),
+            steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
+        )
+        if spec.cache != "none":
+            state["kv"] = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
+        if spec.strategy == "credit":
+            state["credit"] = jnp.zeros((B, Bk, cfg.vocab_size), jnp.float32)
+        if spec.smoothing:
+            state["soft"] = jnp.zeros((B, Lc, cfg.hidden_size), module.dtype)
+        return state
 
     def body(s):
         active = ~s["done"]
@@ -286,10 +313,7 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
             emit(observer_id, s["iters"], x[:, gen_start:gen_end], new_state["blk"], done, active)
         return {**s, **new_state}
 
-    with jax.named_scope("denoise_loop"):
-        final = jax.lax.while_loop(cond, body, state)
-    stats = {k: final[k] for k in ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "done")}
-    return final["x"], stats
+    return init, body, STAT_KEYS
 
 
 def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, blk_B, need_win, gen_start,
