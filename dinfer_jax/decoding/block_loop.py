@@ -92,6 +92,99 @@ def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, edi
     return jnp.where(m2t | t2t, v, x_BS), m2t, t2t
 
 
+def indel_rebuild(y_BS, x_BS, orig_BS, gen_BS, mask_id: int, delete_id: int, split_id: int):
+    """LLaDA2.2's block rebuild after DELETE/SPLIT writes, as a per-row gather (static shapes).
+    y: the block after this step's writes; x: the block at the step's start; orig: the
+    "original mask" flags (they travel with their slot's token); gen: generated (non-prompt) slots.
+    Prompt slots are copied; each generated slot i emits 0 slots (y_i = DELETE), 2 (y_i = SPLIT:
+    a new mask, flag False, then the OLD token x_i with flag orig_i) or 1 (y_i, orig_i), in order;
+    the result is cut to the block length or padded with masks (flag False).
+    -> (tokens_BS, orig_BS)."""
+    S = y_BS.shape[-1]
+    cnt = jnp.where(gen_BS & (y_BS == delete_id), 0, jnp.where(gen_BS & (y_BS == split_id), 2, 1))
+    end = jnp.cumsum(cnt, axis=-1)  # slots emitted up to and including source i
+    j = jnp.arange(S, dtype=end.dtype)
+    src = jnp.sum(end[:, None, :] <= j[None, :, None], axis=-1)  # output slot j comes from source src
+    pad = src >= S
+    srcc = jnp.minimum(src, S - 1)
+    take = lambda a: jnp.take_along_axis(a, srcc, axis=-1)
+    c = take(cnt)
+    new_mask = pad | ((c == 2) & (j[None, :] == take(end) - 2))  # padding, or SPLIT's first (inserted) slot
+    tok = jnp.where(new_mask, mask_id, jnp.where(c == 2, take(x_BS), take(y_BS)))
+    return tok, ~new_mask & take(orig_BS)
+
+
+def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_id: int, split_id: int):
+    """One LLaDA2.2 insert/delete step on each row's block (SGLang JointThresholdInDel; module doc).
+    st: per-row state {orig_BS, seen_BHS, hist_BHS} (H = update steps a block can take); stp_B: the
+    block's steps so far; post_B: its post-edit rounds so far.
+    -> (new block, finished_B, post_B, st, t2t_BS, inserts_B, deletes_B)."""
+    M, D, SP = spec.mask_id, delete_id, split_id
+    B, S, V = logits_BSV.shape
+    H = st["seen"].shape[1]
+    maxpost = spec.max_post_steps
+    l = logits_BSV.astype(jnp.float32)
+    lse = jax.nn.logsumexp(l, axis=-1)
+    vid = jnp.arange(V)
+    prob = lambda t: jnp.exp(jnp.take_along_axis(l, t[..., None], axis=-1)[..., 0] - lse)
+    best = lambda excl: jnp.argmax(jnp.where(excl, -jnp.inf, l), axis=-1).astype(jnp.int32)
+    v = best(jnp.zeros((V,), bool))
+    p = prob(v)
+    orig = jnp.where((stp_B == 0)[:, None], gen_BS & (x_BS == M), st["orig"])  # a block's first step: its masks
+    mask = gen_BS & (x_BS == M)
+    omask = orig & mask
+    n_orig, n_mask = jnp.sum(omask, axis=-1), jnp.sum(mask, axis=-1)
+    post = post_B + (n_orig == 0)
+    cleanup = (n_orig == 0) if maxpost == 0 else (post >= maxpost)
+    cleanup |= stp_B + 1 > S + maxpost
+    # Unresolved original masks never take the mask id: re-argmax without it (p under the full softmax).
+    fb = ~cleanup[:, None] & omask & (v == M)
+    v_nm = best(vid == M)
+    v, p = jnp.where(fb, v_nm, v), jnp.where(fb, prob(v_nm), p)
+    # M2T: (num_to_transfer + introduced masks) while original masks remain, else every mask.
+    conf = jnp.where(mask, p, -jnp.inf)
+    need = knobs["num_to_transfer"].astype(jnp.int32) + n_mask - n_orig
+    high = mask & (conf > knobs["threshold"][:, None])
+    top = mask & (rank_desc(conf) < jnp.minimum(need, n_mask)[:, None])
+    part = jnp.where((jnp.sum(high, axis=-1) >= need)[:, None], high, top)
+    m2t = jnp.where((cleanup | (n_orig == 0))[:, None], mask, part)
+    if maxpost == 0:  # no post-edit rounds: the step that picks the last original masks is the cleanup
+        last = (n_orig > 0) & ~jnp.any(omask & ~m2t, axis=-1)
+        cleanup |= last
+        m2t = jnp.where(last[:, None], mask, m2t)
+    t2t = gen_BS & ~mask & (p > knobs["editing_threshold"][:, None]) & (v != x_BS)
+    tr = m2t | t2t
+    empty = ~jnp.any(tr, axis=-1)
+    # The cleanup writes no MASK / DELETE / SPLIT.
+    ctl = (vid == M) | (vid == D) | (vid == SP)
+    bad = cleanup[:, None] & tr & ((v == M) | (v == D) | (v == SP))
+    v = jnp.where(bad, best(ctl), v)
+    # Anti-loop: a block state seen before at this block's steps -> the lowest-p changing position
+    # takes its best token not yet written there (nor the mask id at an original mask).
+    h_valid = jnp.arange(H)[None, :] < stp_B[:, None]
+    seen = jnp.any(h_valid & jnp.all(st["seen"] == x_BS[:, None, :], axis=-1), axis=-1)
+    changing = tr & (v != x_BS)
+    anti = seen & ~cleanup & jnp.any(changing, axis=-1)
+    c = jnp.argmin(jnp.where(changing, p, jnp.inf), axis=-1)
+    lc = jnp.take_along_axis(l, c[:, None, None], axis=1)[:, 0]  # (B, V)
+    tried = jnp.where(h_valid, jnp.take_along_axis(st["hist"], c[:, None, None], axis=2)[..., 0], V)
+    lc = jax.vmap(lambda r, t: r.at[t].set(-jnp.inf, mode="drop"))(lc, tried)
+    lc = jnp.where(jnp.take_along_axis(omask, c[:, None], axis=-1) & (vid == M)[None, :], -jnp.inf, lc)
+    v_c = jnp.argmax(lc, axis=-1).astype(jnp.int32)
+    v = jnp.where(anti[:, None] & (jnp.arange(S)[None, :] == c[:, None]), v_c[:, None], v)
+    at = (jnp.arange(H) == stp_B[:, None])[:, :, None]
+    st = dict(seen=jnp.where(at, x_BS[:, None, :], st["seen"]),
+              hist=jnp.where(at, jnp.where(tr, v, -1)[:, None, :], st["hist"]))
+    y = jnp.where(tr, v, x_BS)
+    ins, dels = tr & (v == SP), tr & (v == D)
+    rebuilt, orig_new = indel_rebuild(y, x_BS, orig, gen_BS, M, D, SP)
+    has = jnp.any(ins | dels, axis=-1)[:, None]
+    st["orig"] = jnp.where(has, orig_new, orig)
+    new = jnp.where(empty[:, None], x_BS, jnp.where(has, rebuilt, y))
+    return (new, empty | cleanup, post, st, t2t, jnp.sum(ins, axis=-1).astype(jnp.int32),
+            jnp.sum(dels, axis=-1).astype(jnp.int32))
+
+
 def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, gen_start: int, active_B, knobs,
                         observer_id=None):
     """Block-diffusion generation (module doc). Same contract as loop.generate_loop: returns
@@ -124,6 +217,13 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
         nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
         steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
     )
+    if spec.indel:  # LLaDA2.2 insert/delete editing: per-row block state (indel_step)
+        ids = dict(cfg.extra_token_ids)
+        edit_ids = (ids["delete_token_id"], ids["split_token_id"])
+        H = Bk + spec.max_post_steps + 1  # update steps a block can take
+        state.update(ind=dict(orig=jnp.zeros((B, Bk), bool), seen=jnp.zeros((B, H, Bk), jnp.int32),
+                              hist=jnp.zeros((B, H, Bk), jnp.int32)),
+                     inserts=jnp.zeros((B,), jnp.int32), deletes=jnp.zeros((B,), jnp.int32))
 
     def cond(s):
         return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
@@ -164,13 +264,19 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
             in_gen = blk_idx >= gen_start
             masked0 = x_blk == M
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
-            new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing)
+            if spec.indel:
+                new_blk, fin_ind, post_ind, ind, t2t, n_ins, n_del = indel_step(
+                    logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
+            else:
+                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
             x = window_write(x, new_blk, start_B)
 
         any_mask_after = jnp.any(new_blk == M, axis=-1)
-        if spec.editing:
+        if spec.indel:
+            post, finished = post_ind, active & fin_ind
+        elif spec.editing:
             post_fill = ~jnp.any(masked0, axis=-1)
             post = s["post"] + post_fill.astype(jnp.int32)
             finished = active & ((post_fill & ~jnp.any(t2t, axis=-1)) |
@@ -198,6 +304,9 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
             nfe_commit=s["nfe_commit"] + jnp.any(commit).astype(jnp.int32),
             iters=s["iters"] + 1,
         )
+        if spec.indel:
+            new.update(ind=ind, inserts=s["inserts"] + jnp.where(active, n_ins, 0),
+                       deletes=s["deletes"] + jnp.where(active, n_del, 0))
         if spec.observe:
             from dinfer_jax.decoding.observe import emit
             emit(observer_id, s["iters"], x[:, gen_start:gen_end], new["blk"], done, active)
@@ -206,6 +315,8 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
     with jax.named_scope("denoise_loop"):
         final = jax.lax.while_loop(cond, body, state)
     stats = {k: final[k] for k in ("iters", "row_nfe", "steps_per_block", "done", "edits")}
+    if spec.indel:
+        stats.update(inserts=final["inserts"], deletes=final["deletes"])
     stats["nfe_full"] = jnp.zeros((), jnp.int32)  # no full-canvas forward on this path
     stats["nfe_window"] = final["nfe_window"] + final["nfe_commit"]
     stats["nfe_commit"] = final["nfe_commit"]
