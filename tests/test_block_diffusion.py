@@ -214,8 +214,9 @@ def test_server_block_diffusion_request(model):
 
 
 # LLaDA2.2 insert/delete editing (indel). The tiny preset declares no edit-control tokens: give it two
-# ids inside its vocabulary, and scale their lm_head columns so a random model writes them now and then
-# (without that it never emits DELETE/SPLIT and the comparison could not fail).
+# ids inside its vocabulary, and scale their lm_head columns (and the mask id's) so a random model
+# predicts them now and then (without that it never emits DELETE/SPLIT, nor MASK at a mask, and the
+# comparison could not fail).
 DEL, SPL = 124, 125
 
 
@@ -223,8 +224,8 @@ DEL, SPL = 124, 125
 def indel_model(model):
     import dataclasses
     cfg = dataclasses.replace(CFG, extra_token_ids=(("delete_token_id", DEL), ("split_token_id", SPL)))
-    params = dict(model.params, lm_head={"kernel": model.params["lm_head"]["kernel"].at[:, [DEL, SPL]].multiply(3.0)})
-    return Model(cfg, params)
+    head = model.params["lm_head"]["kernel"].at[:, [DEL, SPL, CFG.mask_token_id]].multiply(3.0)
+    return Model(cfg, dict(model.params, lm_head={"kernel": head}))
 
 
 INDEL_SETTINGS = [
@@ -347,3 +348,12 @@ def test_indel_validation(model, indel_model):
     assert e.value.field == "indel"
     with pytest.raises(InvalidParam, match="indel"):
         SamplingParams(indel=1)
+    import argparse
+
+    from dinfer_jax import cli
+    from dinfer_jax.server import DinferFields
+    ap = argparse.ArgumentParser()
+    cli._add_decoding_flags(ap)
+    assert cli._block_flags(ap.parse_args(["--cache", "block", "--indel", "--edit-mode", "speed"])) == dict(
+        threshold=0.5, editing_threshold=0.0, max_post_steps=16, indel=True)
+    assert "indel" not in cli._block_flags(ap.parse_args([])) and "indel" in DinferFields.model_fields

@@ -32,6 +32,43 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
 Early stop: when a block ends holding EOS in its generated part, the row stops and the rest of its
 generation region is filled with EOS.
+
+LLaDA2.2 insert/delete editing (spec.indel; `indel_step`, `indel_rebuild`), following SGLang's
+`python/sglang/srt/dllm/algorithm/joint_threshold_indel.py` (JointThresholdInDel, the revision the
+reference cites, sglang @ 0fbe7e46; facts only). Greedy only (argmax, p = its fp32 softmax probability).
+Per row and block, state: "original mask" flags (the block's masks at its first step; a flag travels
+with its slot's token through rebuilds, so an original mask re-written to MASK by an edit is original
+again), post-edit rounds, update steps, the block states seen at earlier steps and the tokens written
+at each slot (for the anti-loop rule). One step, with O / T = original / all masks of the generated slots:
+  - post-edit rounds += 1 if O = 0; cleanup = (max_post_steps > 0 and rounds >= max_post_steps) or
+    (max_post_steps = 0 and O = 0) or (update steps > B + max_post_steps);
+  - not cleanup: an original mask whose argmax is MASK takes its argmax without MASK (and its p);
+  - M2T: cleanup or O = 0 -> every mask; else the masks with p > threshold if at least
+    num_to_transfer + (T - O) of them (SGLang: 1 + #introduced masks), else the top
+    min(that, T) by p (ties: lower slot). max_post_steps = 0: the step whose M2T covers every
+    original mask becomes the cleanup (every mask);
+  - T2T: filled generated slots with p > editing_threshold whose argmax differs (None -> 0, SGLang's
+    edit_threshold default);
+  - nothing to write -> the block ends (no write);
+  - cleanup: written tokens that are MASK / DELETE / SPLIT take the argmax without those three;
+  - anti-loop (not cleanup): if the block state at this step's start was seen at an earlier step of
+    this block, the changing written slot with the lowest p takes its argmax without the tokens
+    written there at earlier steps (and without MASK at an original mask);
+  - write; if a DELETE or SPLIT was written, rebuild the block (`indel_rebuild`: prompt prefix
+    copied; per generated slot in order DELETE -> nothing, SPLIT -> [new MASK (not original), the
+    slot's OLD token], else the token; cut to B or padded with new masks), a per-row gather over
+    the cumulative sum of emitted counts, static shapes;
+  - the cleanup step ends the block (and writes no mask, so blocks end clean).
+Defaults in SGLang: threshold 0.5, edit_threshold 0, max_post_edit_steps 16 (= EDIT_MODES["speed"]
+with indel=True); B + max_post_edit_steps + 2 steps per block at most (our max_iterations).
+Deliberate difference: SGLang runs one more forward after a cleanup that changed the block, to
+persist its K/V; here the next block's first forward ([previous | current], above) commits them, so
+a block costs that forward less (NFE counts decoder steps only). Not built: the knobs of other
+revisions of that file (a vectorized one with an NPU graph mode: post_edit_threshold,
+min_indel_confidence; its min_mask_transfer is our num_to_transfer), which also differ in details
+(post-edit budget counted with `>`, no MASK re-argmax or MASK scrub, prompt = every non-mask slot);
+sampling (temperature > 0) is not defined by the public code (refused); the released LLaDA2.2
+decoder itself (SGLang says its budget differs from it) and LLaDA2.2's block routing are not public here.
 """
 from __future__ import annotations
 
