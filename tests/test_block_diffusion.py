@@ -332,6 +332,19 @@ def test_indel_step_on_hand_built_logits():
     new, *_ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), _indel_state(7, 4), knobs,
                          spec, D, S)
     assert new.tolist() == [[2, 2, 2, 4]]  # not seen before: the argmax
+    # A block with no mask and no edit above the threshold writes nothing and ends unchanged.
+    knobs["editing_threshold"] = jnp.full(1, 0.99)
+    new, fin, *_ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), _indel_state(7, 4),
+                              knobs, spec, D, S)
+    assert new.tolist() == x.tolist() and fin[0]
+    # The step bound: update step B + max_post_steps + 1 is the cleanup even with original masks left.
+    xm = jnp.asarray([[2, M, M, 2]])
+    st = _indel_state(7, 4)
+    st["orig"] = jnp.asarray([[False, True, True, False]])
+    new, fin, *_ = indel_step(jnp.asarray(lg2), xm, gen, jnp.asarray([6]), jnp.asarray([0]), st, knobs, spec, D, S)
+    assert new.tolist() == [[2, 2, 2, 2]] and fin[0]
+    new, fin, *_ = indel_step(jnp.asarray(lg2), xm, gen, jnp.asarray([5]), jnp.asarray([0]), st, knobs, spec, D, S)
+    assert not fin[0]
 
 
 def test_indel_validation(model, indel_model):
