@@ -98,7 +98,9 @@ class SamplingParams:
 
     Defaults follow dInfer for LLaDA-MoE: threshold 0.9, block 64, dual cache, temperature 0.
     steps: total denoising steps for the fixed/random strategies (LLaDA `steps`), split evenly
-    over blocks (steps % num_blocks == 0).
+    over blocks (steps % num_blocks == 0). With cache='block': steps PER BLOCK, LLaDA2.0's transfer
+    schedule (each step unmasks at least block // steps, one more on the first block % steps);
+    None: num_to_transfer per step (LLaDA2.1).
     """
     gen_length: int = 128
     block_length: int = 64
@@ -164,6 +166,12 @@ class SamplingParams:
             for name in ("smoothing", "start_block_align", "refresh_every"):
                 if getattr(self, name):
                     raise InvalidParam(name, f"cache='block' takes no {name}")
+            if self.steps is not None and self.editing_threshold is not None:
+                raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
+                                            "editing (LLaDA2.1 has no schedule; use num_to_transfer)")
+            if self.indel and self.steps is not None:
+                raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
+                                            "indel (SGLang's rule transfers 1 + #inserted masks; use num_to_transfer)")
             if self.indel and self.temperature > 0:
                 raise InvalidParam("temperature", f"indel (LLaDA2.2 insert/delete editing) decodes greedily "
                                                   f"(SGLang's JointThresholdInDel): temperature must be 0, "
@@ -182,7 +190,9 @@ class SamplingParams:
         """The static part (the compiled program's key), after `validate`."""
         self.validate()
         steps_per_block = 0
-        if self.strategy in FIXED:
+        if self.cache == "block":  # LLaDA2.0: `steps` counts per block (its transfer schedule)
+            steps_per_block = self.steps or 0
+        elif self.strategy in FIXED:
             nb = self.gen_length // self.block_length
             steps_per_block = (self.gen_length if self.steps is None else self.steps) // nb
         return DecodeSpec(

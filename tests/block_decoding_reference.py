@@ -40,7 +40,7 @@ def reference_block_generate(model, prompt, p):
     nfe = edits = 0
     for b in range(P // Bk, nb):
         s, e = b * Bk, (b + 1) * Bk
-        post = 0
+        post = step = 0
         while True:
             active = [i for i in range(s, e) if x[i] == M]
             if not active:
@@ -54,17 +54,21 @@ def reference_block_generate(model, prompt, p):
             prob = _softmax64(logits)
             v = [int(np.argmax(logits[i - s])) for i in range(s, e)]
             pv = [float(prob[i - s, v[i - s]]) for i in range(s, e)]
+            n = p.num_to_transfer
+            if p.steps:  # LLaDA2.0 schedule (§5.1): step `step` of the block gets B // steps (+1 early)
+                n = max(n, Bk // p.steps + (1 if step < Bk % p.steps else 0))
             high = [i for i in active if pv[i - s] > p.threshold]
-            if len(high) >= p.num_to_transfer:
+            if len(high) >= n:
                 m2t = high
             else:
-                m2t = sorted(active, key=lambda i: (-pv[i - s], i))[:min(p.num_to_transfer, len(active))]
+                m2t = sorted(active, key=lambda i: (-pv[i - s], i))[:min(n, len(active))]
             t2t = []
             if editing:
                 t2t = [i for i in range(s, e) if i not in active and i >= P
                        and pv[i - s] > p.editing_threshold and v[i - s] != x[i]]
             for i in m2t + t2t:
                 x[i] = v[i - s]
+            step += 1
             edits += len(t2t)
             if editing and not active and not t2t:
                 break

@@ -39,10 +39,11 @@ SETTINGS = [
     dict(threshold=0.5, num_to_transfer=2),
     dict(threshold=0.3, editing_threshold=0.3, max_post_steps=3),
     dict(threshold=0.2, editing_threshold=0.0, max_post_steps=2),  # edits every changed token: hits the bound
+    dict(threshold=0.9, steps=3),  # LLaDA2.0's schedule: 3, 3, 2 tokens per step of an 8-token block
 ]
 
 
-@pytest.mark.parametrize("kw", SETTINGS, ids=["m2t", "m2t-n2", "edit", "edit-bound"])
+@pytest.mark.parametrize("kw", SETTINGS, ids=["m2t", "m2t-n2", "edit", "edit-bound", "steps-schedule"])
 def test_loop_matches_no_cache_reference(model, kw):
     p = SamplingParams(gen_length=16, block_length=8, cache="block", **kw)
     r = generate(model, PROMPTS, p)
@@ -213,6 +214,21 @@ def test_server_block_diffusion_request(model):
         assert r.status_code == 400 and r.json()["error"]["param"] == "editing_threshold"
 
 
+def test_llada2_0_transfer_schedule_and_its_limits():
+    """reference §5.1: B // steps per step, the first B % steps steps one more; steps > B: one per
+    step for B steps. `steps` does not combine with editing (LLaDA2.1 has no schedule)."""
+    from dinfer_jax.decoding.block_loop import transfer_schedule
+    from dinfer_jax.engine import InvalidParam
+    sched = lambda B, steps: np.asarray(transfer_schedule(jnp.arange(steps), B, steps)).tolist()  # noqa: E731
+    assert sched(8, 3) == [3, 3, 2]
+    assert sched(8, 8) == [1] * 8 and sched(8, 1)[0] == 8
+    assert sched(4, 6) == [1, 1, 1, 1, 0, 0]
+    assert sum(sched(32, 5)) == 32
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(gen_length=16, block_length=8, cache="block", steps=4, editing_threshold=0.5).validate()
+    assert e.value.field == "steps"
+
+
 # LLaDA2.2 insert/delete editing (indel). The tiny preset declares no edit-control tokens: give it two
 # ids inside its vocabulary, and scale their lm_head columns (and the mask id's) so a random model
 # predicts them now and then (without that it never emits DELETE/SPLIT, nor MASK at a mask, and the
@@ -356,6 +372,9 @@ def test_indel_validation(model, indel_model):
     with pytest.raises(InvalidParam, match="greedily") as e:
         SamplingParams(gen_length=8, block_length=8, cache="block", indel=True, temperature=0.5).validate()
     assert e.value.field == "temperature"
+    with pytest.raises(InvalidParam, match="does not combine with indel") as e:
+        SamplingParams(gen_length=8, block_length=8, cache="block", indel=True, steps=4).validate()
+    assert e.value.field == "steps"
     with pytest.raises(InvalidParam, match="delete_token_id and split_token_id") as e:
         generate(model, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, cache="block", indel=True))
     assert e.value.field == "indel"

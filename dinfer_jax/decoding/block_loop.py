@@ -23,8 +23,9 @@ Program:
 Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   sample v_i, p_i for every position (temperature 0: argmax over the vocabulary, p = its softmax
   probability; else logits / T, top-k, top-p, one draw (Gumbel-max), p under the filtered softmax);
-  M2T: the masked positions with p > threshold if at least `num_to_transfer` of them, else the
-  top-min(num_to_transfer, #masked) by p;
+  M2T: the masked positions with p > threshold if at least n of them, else the top-min(n, #masked)
+  by p, where n = num_to_transfer (LLaDA2.1), or with `steps` per block (LLaDA2.0's schedule,
+  spec.steps_per_block > 0) n = B // steps, plus one on the first B % steps steps of the block;
   T2T (editing, LLaDA2.1): already-filled generated positions of this block (not masked at the
   step's start, not prompt) take v_i where p_i > editing_threshold and v_i differs; applied with
   M2T from the same forward.
@@ -112,14 +113,21 @@ def sample_tokens(logits_BSV, knobs, keys_B):
     return v, p
 
 
-def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool):
+def transfer_schedule(step_B, block: int, steps: int):
+    """LLaDA2.0's per-block transfer count at each row's step: block // steps tokens, one more on
+    the first block % steps steps (reference §5.1). steps > block: one per step for `block` steps."""
+    return block // steps + (step_B < block % steps).astype(jnp.int32)
+
+
+def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool, n_B=None):
     """One LLaDA2 decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
-    editable_BS: generated (non-prompt) positions of the block."""
+    editable_BS: generated (non-prompt) positions of the block; n_B: the M2T count (default
+    knobs["num_to_transfer"])."""
     v, p = sample_tokens(logits_BSV, knobs, keys_B)
     masked = x_BS == mask_id
     c = jnp.where(masked, p, -jnp.inf)
     high = masked & (c > knobs["threshold"][:, None])
-    n = knobs["num_to_transfer"].astype(jnp.int32)
+    n = knobs["num_to_transfer"].astype(jnp.int32) if n_B is None else n_B
     enough = jnp.sum(high, axis=-1) >= n
     top = masked & (rank_desc(c) < jnp.minimum(n, jnp.sum(masked, axis=-1))[:, None])
     m2t = jnp.where(enough[:, None], high, top)
@@ -301,11 +309,15 @@ def block_generate_loop(module, params, spec, canvas_BL, pad_B, prompt_len_B, ge
             in_gen = blk_idx >= gen_start
             masked0 = x_blk == M
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+            n_B = None
+            if spec.steps_per_block:
+                n_B = jnp.maximum(knobs["num_to_transfer"].astype(jnp.int32),
+                                  transfer_schedule(s["stp"], Bk, spec.steps_per_block))
             if spec.indel:
                 new_blk, fin_ind, post_ind, ind, t2t, n_ins, n_del = indel_step(
                     logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
             else:
-                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing)
+                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
             x = window_write(x, new_blk, start_B)

@@ -38,7 +38,7 @@ class DecodeSpec:
     gen_length: int
     block_length: int
     strategy: str = "threshold"
-    steps_per_block: int = 0  # fixed/random strategies only
+    steps_per_block: int = 0  # fixed/random strategies; cache="block": LLaDA2.0 steps per block (0: off)
     cache: str = "none"
     refresh_every: int = 0  # extra full refresh every N steps inside a block (0: only on block entry)
     prefix_look: int = 16
