@@ -154,6 +154,8 @@ def _block_flags(a) -> dict:
     for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p"):
         if getattr(a, name) is not None:
             out[name] = getattr(a, name)
+    if getattr(a, "indel", False):
+        out["indel"] = True
     out.setdefault("threshold", 0.9)
     return out
 
@@ -411,6 +413,9 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     b.add_argument("--num-to-transfer", type=int, default=None, help="masks committed per step at least (1)")
     b.add_argument("--top-k", type=int, default=None, help="with --temperature > 0: keep the k most probable tokens")
     b.add_argument("--top-p", type=float, default=None, help="with --temperature > 0: nucleus sampling")
+    b.add_argument("--indel", action="store_true",
+                   help="LLaDA2.2 insert/delete editing (SGLang JointThresholdInDel; greedy; SGLang's defaults: "
+                        "--edit-mode speed)")
 
 
 def _add_scale_flags(p):

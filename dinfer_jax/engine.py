@@ -48,7 +48,7 @@ _RULES = {
     "credit_alpha": (_FLOAT, 0.0, True, None, False),
     "credit_gamma": (_FLOAT, 0.0, True, None, False),
     "credit_beta": (_FLOAT, 0.0, True, 1.0, True),
-    "smoothing": (_BOOL,), "early_stop": (_BOOL,), "start_block_align": (_BOOL,),
+    "smoothing": (_BOOL,), "early_stop": (_BOOL,), "start_block_align": (_BOOL,), "indel": (_BOOL,),
     "editing_threshold": (_FLOAT, 0.0, True, 1.0, True),  # or None
     "max_post_steps": (_INT, 0, True, 1024, True),
     "num_to_transfer": (_INT, 1, True, None, False),
@@ -129,6 +129,9 @@ class SamplingParams:
     num_to_transfer: int = 1  # M2T: at least this many masks per step (the most probable)
     top_k: int = 0  # temperature > 0: keep the k most probable tokens (0: all)
     top_p: float = 1.0  # temperature > 0: nucleus (1.0: off)
+    # LLaDA2.2 insert/delete editing (SGLang's JointThresholdInDel; block_loop.indel_step): greedy;
+    # editing_threshold None means SGLang's edit_threshold 0; needs a model with DELETE/SPLIT ids.
+    indel: bool = False
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -166,7 +169,17 @@ class SamplingParams:
             if self.steps is not None and self.editing_threshold is not None:
                 raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
                                             "editing (LLaDA2.1 has no schedule; use num_to_transfer)")
+            if self.indel and self.steps is not None:
+                raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
+                                            "indel (SGLang's rule transfers 1 + #inserted masks; use num_to_transfer)")
+            if self.indel and self.temperature > 0:
+                raise InvalidParam("temperature", f"indel (LLaDA2.2 insert/delete editing) decodes greedily "
+                                                  f"(SGLang's JointThresholdInDel): temperature must be 0, "
+                                                  f"not {self.temperature}")
         else:
+            if self.indel:
+                raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) applies to block diffusion "
+                                            f"only (cache='block'), not cache={self.cache!r}")
             for name, off in (("editing_threshold", None), ("top_k", 0), ("top_p", 1.0), ("num_to_transfer", 1)):
                 if getattr(self, name) != off:
                     raise InvalidParam(name, f"{name}={getattr(self, name)} applies to block diffusion only "
@@ -187,8 +200,8 @@ class SamplingParams:
             steps_per_block=steps_per_block, cache=self.cache, refresh_every=self.refresh_every,
             prefix_look=self.prefix_look, after_look=self.after_look, warmup_steps=self.warmup_steps,
             smoothing=self.smoothing, early_stop=self.early_stop, start_block_align=self.start_block_align,
-            mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None,
-            max_post_steps=self.max_post_steps)
+            mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None or self.indel,
+            max_post_steps=self.max_post_steps, indel=self.indel)
 
 
 @dataclasses.dataclass
@@ -207,6 +220,8 @@ class GenerationResult:
     batch_nfe_window: int
     seconds: float
     edits: list[int] | None = None  # block diffusion with editing: token-to-token edits per prompt
+    inserts: list[int] | None = None  # indel: SPLIT (insert) tokens written per prompt
+    deletes: list[int] | None = None  # indel: DELETE tokens written per prompt
 
 
 def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
@@ -324,6 +339,10 @@ class Generator:
             raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
                                         f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
                                         f"dual or vicinity)")
+        if spec.indel and not {"delete_token_id", "split_token_id"} <= dict(cfg.extra_token_ids).keys():
+            raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) needs a model whose config declares "
+                                        f"delete_token_id and split_token_id; this {cfg.family} model declares "
+                                        f"{dict(cfg.extra_token_ids) or 'none'}")
         for i, p in enumerate(per_row[1:], 1):
             other = p.spec(cfg.mask_token_id, cfg.eos_id)
             if other != spec:
@@ -350,7 +369,9 @@ class Generator:
         active = np.arange(B) < len(rows)
         def knob(p, k):
             v = getattr(p, k)
-            return 1.0 if v is None else v  # editing_threshold None: no editing (the value is unused)
+            if v is None:  # editing_threshold None: no editing (unused), or with indel SGLang's edit_threshold 0
+                return 0.0 if p.indel else 1.0
+            return v
         knobs = {k: np.array([knob(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
                              np.uint32 if k == "seed" else np.float32) for k in KNOBS}
         prog = self._program(spec, gen_start)
@@ -397,9 +418,11 @@ class Generator:
             real = int(np.sum((raw[b] != cfg.eos_id) & (raw[b] != cfg.mask_token_id)))
             tpf.append(real / max(1, int(stats["row_nfe"][b])))
         edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
+        ins, dels = ([[int(v) for v in stats[k][:n]] for k in ("inserts", "deletes")] if "inserts" in stats
+                     else (None, None))
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
-                                edits)
+                                edits, ins, dels)
 
 
 def generate(model, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -10,7 +10,7 @@ Streaming requests select the program variant with a per-iteration host callback
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k (OpenAI clients pass them with `extra_body=`); top_p is
+max_post_steps, num_to_transfer, top_k, indel (OpenAI clients pass them with `extra_body=`); top_p is
 OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 """
@@ -56,6 +56,7 @@ class DinferFields(BaseModel):
     max_post_steps: Optional[int] = None
     num_to_transfer: Optional[int] = None
     top_k: Optional[int] = None
+    indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
 
 
 class CommonFields(DinferFields):

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from block_decoding_reference import reference_block_generate
+from block_decoding_reference import reference_block_generate, reference_indel_generate
 
 from dinfer_jax.config import preset
-from dinfer_jax.decoding.block_loop import block_decide
+from dinfer_jax.decoding.block_loop import block_decide, indel_rebuild, indel_step
 from dinfer_jax.engine import SamplingParams, generate
 from dinfer_jax.model import Model
 from dinfer_jax.models import init_params
@@ -227,3 +227,165 @@ def test_llada2_0_transfer_schedule_and_its_limits():
     with pytest.raises(InvalidParam) as e:
         SamplingParams(gen_length=16, block_length=8, cache="block", steps=4, editing_threshold=0.5).validate()
     assert e.value.field == "steps"
+
+
+# LLaDA2.2 insert/delete editing (indel). The tiny preset declares no edit-control tokens: give it two
+# ids inside its vocabulary, and scale their lm_head columns (and the mask id's) so a random model
+# predicts them now and then (without that it never emits DELETE/SPLIT, nor MASK at a mask, and the
+# comparison could not fail).
+DEL, SPL = 124, 125
+
+
+@pytest.fixture(scope="module")
+def indel_model(model):
+    import dataclasses
+    cfg = dataclasses.replace(CFG, extra_token_ids=(("delete_token_id", DEL), ("split_token_id", SPL)))
+    head = model.params["lm_head"]["kernel"].at[:, [DEL, SPL, CFG.mask_token_id]].multiply(3.0)
+    return Model(cfg, dict(model.params, lm_head={"kernel": head}))
+
+
+INDEL_SETTINGS = [
+    dict(threshold=0.3, editing_threshold=0.3, max_post_steps=3),  # inserts, deletes, anti-loop, cleanups
+    dict(threshold=0.5, max_post_steps=0),  # edit threshold 0 (SGLang's default); no post-edit rounds
+]
+
+
+@pytest.mark.parametrize("kw", INDEL_SETTINGS, ids=["indel", "indel-post0"])
+def test_indel_loop_matches_no_cache_reference(indel_model, kw):
+    p = SamplingParams(gen_length=16, block_length=8, cache="block", indel=True, **kw)
+    r = generate(indel_model, PROMPTS, p)  # a mixed-length batch
+    total = dict(inserts=0, deletes=0, antiloop=0, cleanups=0)
+    for i, prompt in enumerate(PROMPTS):
+        want, nfe, cnt = reference_indel_generate(indel_model, prompt, p, DEL, SPL)
+        ours = r.raw_ids[i].tolist()
+        if CFG.eos_token_id in want:
+            ours = ours[:len(want)]
+        assert ours == want, f"prompt {i}"
+        assert r.nfe[i] == nfe, f"prompt {i}: {r.nfe[i]} forwards, reference {nfe}"
+        assert (r.edits[i], r.inserts[i], r.deletes[i]) == (cnt["edits"], cnt["inserts"], cnt["deletes"]), i
+        total = {k: total[k] + cnt[k] for k in total}
+    # The rules under test really ran (else the comparison could not fail).
+    assert total["inserts"] > 0 and total["deletes"] > 0 and total["cleanups"] > 0, total
+    if kw["max_post_steps"]:
+        assert total["antiloop"] > 0, total
+    else:  # batch 1: alone == inside the batch == the reference
+        one = generate(indel_model, [PROMPTS[2]], p)
+        assert one.raw_ids[0].tolist() == r.raw_ids[2].tolist() and one.nfe[0] == r.nfe[2]
+
+
+def test_indel_rebuild_on_hand_built_blocks():
+    """DELETE drops its slot (masks pad the tail), SPLIT emits a new mask then the OLD token, the
+    result is cut at the block length, the prompt prefix is copied, original-mask flags travel."""
+    M, D, S = 9, 7, 8
+    gen = jnp.asarray([[False, True, True, True, True, True]])  # slot 0 is prompt
+    x = jnp.asarray([[1, 2, M, 3, M, 4]])
+    orig = jnp.asarray([[False, False, True, False, True, False]])
+
+    def rb(y):
+        t, f = indel_rebuild(jnp.asarray([y]), x, orig, gen, M, D, S)
+        return t[0].tolist(), f[0].astype(int).tolist()
+
+    assert rb([1, 2, 5, 3, M, 4]) == ([1, 2, 5, 3, M, 4], [0, 0, 1, 0, 1, 0])  # no control token: identity
+    assert rb([1, D, 5, D, M, 4]) == ([1, 5, M, 4, M, M], [0, 1, 1, 0, 0, 0])  # deletes, padded with masks
+    assert rb([1, 2, S, 3, M, 4]) == ([1, 2, M, M, 3, M], [0, 0, 0, 1, 0, 1])  # split at a mask: new + old mask
+    assert rb([1, S, 5, D, S, 4]) == ([1, M, 2, 5, M, M], [0, 0, 0, 1, 0, 1])  # split, delete, cut at the tail
+    assert rb([D, 2, 5, 3, M, 4])[0] == [D, 2, 5, 3, M, 4]  # prompt slots never act
+
+
+def _indel_state(H, S, B=1):
+    return dict(orig=jnp.zeros((B, S), bool), seen=jnp.zeros((B, H, S), jnp.int32),
+                hist=jnp.zeros((B, H, S), jnp.int32))
+
+
+def test_indel_step_on_hand_built_logits():
+    """Original masks never take the mask id; M2T takes 1 + #introduced masks; the cleanup writes no
+    MASK/DELETE/SPLIT; the anti-loop re-picks the least confident change among untried tokens."""
+    from dinfer_jax.decoding.loop import DecodeSpec
+    M, D, S, V = 9, 7, 8, 10
+    spec = DecodeSpec(gen_length=8, block_length=4, cache="block", mask_id=M, eos_id=0, indel=True, max_post_steps=2)
+    knobs = {"threshold": jnp.full(1, 0.9), "editing_threshold": jnp.full(1, 0.9), "num_to_transfer": jnp.ones(1)}
+    gen = jnp.ones((1, 4), bool)
+    lg = np.full((1, 4, V), -5.0, np.float32)
+    lg[0, 0, M], lg[0, 0, 3] = 4.0, 2.0   # original mask predicting MASK -> its next best, 3 (p ~ 0.1)
+    lg[0, 1, 5] = 1.0                     # original mask, 5 (p 0.98)
+    lg[0, 2, 6] = 3.0                     # filled 6, agrees
+    lg[0, 3, D] = 9.0                     # filled 4, confident DELETE -> edited, the block rebuilt
+    x = jnp.asarray([[M, M, 6, 4]])
+    st = _indel_state(7, 4)
+    step = lambda x, stp, post, st, sp=spec: indel_step(jnp.asarray(lg), x, gen, jnp.asarray([stp]),
+                                                        jnp.asarray([post]), st, knobs, sp, D, S)
+    new, fin, post, st2, t2t, ins, dels = step(x, 0, 0, st)
+    # M2T: slot 1 (above 0.9); T2T: slot 3 takes DELETE -> dropped, a mask pads the tail.
+    assert new.tolist() == [[M, 5, 6, M]] and dels.tolist() == [1] and not fin[0] and post.tolist() == [0]
+    assert st2["orig"].tolist() == [[True, True, False, False]]  # the padding mask is not original
+    # Next step: 1 original + 1 introduced mask -> 2 transfers although only one is above 0.9 (the
+    # introduced mask predicting MASK keeps it; the original one takes its re-argmax 3).
+    lg[0, 3] = -5.0
+    lg[0, 3, M] = 4.0
+    lg[0, 1, 5] = 6.0
+    new, fin, _, st3, _, _, _ = step(new, 1, 0, st2)
+    assert new.tolist() == [[3, 5, 6, M]] and not fin[0]
+    # Only introduced masks left: a post-edit round fills all of them; its budget runs out at 2 ->
+    # the cleanup: MASK/DELETE/SPLIT predictions take the best other token, and the block ends.
+    lg[0, 0, D] = 9.0
+    new, fin, post, _, t2t, _, dels = step(new, 2, 1, st3)
+    assert post.tolist() == [2] and fin[0] and dels.tolist() == [0]
+    assert new.tolist() == [[3, 5, 6, 0]] and t2t.tolist() == [[True, False, False, False]]  # 0: first of the -5s
+    # Anti-loop: this block state was seen at step 0 and 4 was already written at slot 3; the least
+    # confident changing slot (3) takes its best untried token instead.
+    lg2 = np.full((1, 4, V), -5.0, np.float32)
+    lg2[0, :, 2] = 5.0
+    lg2[0, 3, 4], lg2[0, 3, 2], lg2[0, 3, 1] = 2.0, 1.5, 1.0
+    x = jnp.asarray([[2, 2, 2, 1]])
+    st = _indel_state(7, 4)
+    st["seen"] = st["seen"].at[0, 0].set(x[0])
+    st["hist"] = st["hist"].at[0, 0].set(jnp.asarray([-1, -1, -1, 4]))
+    knobs["editing_threshold"] = jnp.zeros(1)
+    new, fin, _, st4, _, _, _ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), st, knobs,
+                                           spec, D, S)
+    assert new.tolist() == [[2, 2, 2, 2]] and not fin[0]  # argmax 4 was tried: the next best, 2
+    assert st4["hist"][0, 1].tolist() == [-1, -1, -1, 2] and st4["seen"][0, 1].tolist() == [2, 2, 2, 1]
+    new, *_ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), _indel_state(7, 4), knobs,
+                         spec, D, S)
+    assert new.tolist() == [[2, 2, 2, 4]]  # not seen before: the argmax
+    # A block with no mask and no edit above the threshold writes nothing and ends unchanged.
+    knobs["editing_threshold"] = jnp.full(1, 0.99)
+    new, fin, *_ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), _indel_state(7, 4),
+                              knobs, spec, D, S)
+    assert new.tolist() == x.tolist() and fin[0]
+    # The step bound: update step B + max_post_steps + 1 is the cleanup even with original masks left.
+    xm = jnp.asarray([[2, M, M, 2]])
+    st = _indel_state(7, 4)
+    st["orig"] = jnp.asarray([[False, True, True, False]])
+    new, fin, *_ = indel_step(jnp.asarray(lg2), xm, gen, jnp.asarray([6]), jnp.asarray([0]), st, knobs, spec, D, S)
+    assert new.tolist() == [[2, 2, 2, 2]] and fin[0]
+    new, fin, *_ = indel_step(jnp.asarray(lg2), xm, gen, jnp.asarray([5]), jnp.asarray([0]), st, knobs, spec, D, S)
+    assert not fin[0]
+
+
+def test_indel_validation(model, indel_model):
+    """indel needs cache='block', greedy decoding and a model declaring both edit-control ids."""
+    from dinfer_jax.engine import InvalidParam
+    with pytest.raises(InvalidParam, match="block diffusion only") as e:
+        SamplingParams(cache="dual", indel=True).validate()
+    assert e.value.field == "indel"
+    with pytest.raises(InvalidParam, match="greedily") as e:
+        SamplingParams(gen_length=8, block_length=8, cache="block", indel=True, temperature=0.5).validate()
+    assert e.value.field == "temperature"
+    with pytest.raises(InvalidParam, match="does not combine with indel") as e:
+        SamplingParams(gen_length=8, block_length=8, cache="block", indel=True, steps=4).validate()
+    assert e.value.field == "steps"
+    with pytest.raises(InvalidParam, match="delete_token_id and split_token_id") as e:
+        generate(model, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, cache="block", indel=True))
+    assert e.value.field == "indel"
+    with pytest.raises(InvalidParam, match="indel"):
+        SamplingParams(indel=1)
+    import argparse
+
+    from dinfer_jax import cli
+    from dinfer_jax.server import DinferFields
+    ap = argparse.ArgumentParser()
+    cli._add_decoding_flags(ap)
+    assert cli._block_flags(ap.parse_args(["--cache", "block", "--indel", "--edit-mode", "speed"])) == dict(
+        threshold=0.5, editing_threshold=0.0, max_post_steps=16, indel=True)
+    assert "indel" not in cli._block_flags(ap.parse_args([])) and "indel" in DinferFields.model_fields

@@ -33,6 +33,43 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
 Early stop: when a block ends holding EOS in its generated part, the row stops and the rest of its
 generation region is filled with EOS.
+
+LLaDA2.2 insert/delete editing (spec.indel; `indel_step`, `indel_rebuild`), following SGLang's
+`python/sglang/srt/dllm/algorithm/joint_threshold_indel.py` (JointThresholdInDel, the revision the
+reference cites, sglang @ 0fbe7e46; facts only). Greedy only (argmax, p = its fp32 softmax probability).
+Per row and block, state: "original mask" flags (the block's masks at its first step; a flag travels
+with its slot's token through rebuilds, so an original mask re-written to MASK by an edit is original
+again), post-edit rounds, update steps, the block states seen at earlier steps and the tokens written
+at each slot (for the anti-loop rule). One step, with O / T = original / all masks of the generated slots:
+  - post-edit rounds += 1 if O = 0; cleanup = (max_post_steps > 0 and rounds >= max_post_steps) or
+    (max_post_steps = 0 and O = 0) or (update steps > B + max_post_steps);
+  - not cleanup: an original mask whose argmax is MASK takes its argmax without MASK (and its p);
+  - M2T: cleanup or O = 0 -> every mask; else the masks with p > threshold if at least
+    num_to_transfer + (T - O) of them (SGLang: 1 + #introduced masks), else the top
+    min(that, T) by p (ties: lower slot). max_post_steps = 0: the step whose M2T covers every
+    original mask becomes the cleanup (every mask);
+  - T2T: filled generated slots with p > editing_threshold whose argmax differs (None -> 0, SGLang's
+    edit_threshold default);
+  - nothing to write -> the block ends (no write);
+  - cleanup: written tokens that are MASK / DELETE / SPLIT take the argmax without those three;
+  - anti-loop (not cleanup): if the block state at this step's start was seen at an earlier step of
+    this block, the changing written slot with the lowest p takes its argmax without the tokens
+    written there at earlier steps (and without MASK at an original mask);
+  - write; if a DELETE or SPLIT was written, rebuild the block (`indel_rebuild`: prompt prefix
+    copied; per generated slot in order DELETE -> nothing, SPLIT -> [new MASK (not original), the
+    slot's OLD token], else the token; cut to B or padded with new masks), a per-row gather over
+    the cumulative sum of emitted counts, static shapes;
+  - the cleanup step ends the block (and writes no mask, so blocks end clean).
+Defaults in SGLang: threshold 0.5, edit_threshold 0, max_post_edit_steps 16 (= EDIT_MODES["speed"]
+with indel=True); B + max_post_edit_steps + 2 steps per block at most (our max_iterations).
+Deliberate difference: SGLang runs one more forward after a cleanup that changed the block, to
+persist its K/V; here the next block's first forward ([previous | current], above) commits them, so
+a block costs that forward less (NFE counts decoder steps only). Not built: the knobs of other
+revisions of that file (a vectorized one with an NPU graph mode: post_edit_threshold,
+min_indel_confidence; its min_mask_transfer is our num_to_transfer), which also differ in details
+(post-edit budget counted with `>`, no MASK re-argmax or MASK scrub, prompt = every non-mask slot);
+sampling (temperature > 0) is not defined by the public code (refused); the released LLaDA2.2
+decoder itself (SGLang says its budget differs from it) and LLaDA2.2's block routing are not public here.
 """
 from __future__ import annotations
 
@@ -100,6 +137,99 @@ def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, edi
     return jnp.where(m2t | t2t, v, x_BS), m2t, t2t
 
 
+def indel_rebuild(y_BS, x_BS, orig_BS, gen_BS, mask_id: int, delete_id: int, split_id: int):
+    """LLaDA2.2's block rebuild after DELETE/SPLIT writes, as a per-row gather (static shapes).
+    y: the block after this step's writes; x: the block at the step's start; orig: the
+    "original mask" flags (they travel with their slot's token); gen: generated (non-prompt) slots.
+    Prompt slots are copied; each generated slot i emits 0 slots (y_i = DELETE), 2 (y_i = SPLIT:
+    a new mask, flag False, then the OLD token x_i with flag orig_i) or 1 (y_i, orig_i), in order;
+    the result is cut to the block length or padded with masks (flag False).
+    -> (tokens_BS, orig_BS)."""
+    S = y_BS.shape[-1]
+    cnt = jnp.where(gen_BS & (y_BS == delete_id), 0, jnp.where(gen_BS & (y_BS == split_id), 2, 1))
+    end = jnp.cumsum(cnt, axis=-1)  # slots emitted up to and including source i
+    j = jnp.arange(S, dtype=end.dtype)
+    src = jnp.sum(end[:, None, :] <= j[None, :, None], axis=-1)  # output slot j comes from source src
+    pad = src >= S
+    srcc = jnp.minimum(src, S - 1)
+    take = lambda a: jnp.take_along_axis(a, srcc, axis=-1)
+    c = take(cnt)
+    new_mask = pad | ((c == 2) & (j[None, :] == take(end) - 2))  # padding, or SPLIT's first (inserted) slot
+    tok = jnp.where(new_mask, mask_id, jnp.where(c == 2, take(x_BS), take(y_BS)))
+    return tok, ~new_mask & take(orig_BS)
+
+
+def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_id: int, split_id: int):
+    """One LLaDA2.2 insert/delete step on each row's block (SGLang JointThresholdInDel; module doc).
+    st: per-row state {orig_BS, seen_BHS, hist_BHS} (H = update steps a block can take); stp_B: the
+    block's steps so far; post_B: its post-edit rounds so far.
+    -> (new block, finished_B, post_B, st, t2t_BS, inserts_B, deletes_B)."""
+    M, D, SP = spec.mask_id, delete_id, split_id
+    B, S, V = logits_BSV.shape
+    H = st["seen"].shape[1]
+    maxpost = spec.max_post_steps
+    l = logits_BSV.astype(jnp.float32)
+    lse = jax.nn.logsumexp(l, axis=-1)
+    vid = jnp.arange(V)
+    prob = lambda t: jnp.exp(jnp.take_along_axis(l, t[..., None], axis=-1)[..., 0] - lse)
+    best = lambda excl: jnp.argmax(jnp.where(excl, -jnp.inf, l), axis=-1).astype(jnp.int32)
+    v = best(jnp.zeros((V,), bool))
+    p = prob(v)
+    orig = jnp.where((stp_B == 0)[:, None], gen_BS & (x_BS == M), st["orig"])  # a block's first step: its masks
+    mask = gen_BS & (x_BS == M)
+    omask = orig & mask
+    n_orig, n_mask = jnp.sum(omask, axis=-1), jnp.sum(mask, axis=-1)
+    post = post_B + (n_orig == 0)
+    cleanup = (n_orig == 0) if maxpost == 0 else (post >= maxpost)
+    cleanup |= stp_B + 1 > S + maxpost
+    # Unresolved original masks never take the mask id: re-argmax without it (p under the full softmax).
+    fb = ~cleanup[:, None] & omask & (v == M)
+    v_nm = best(vid == M)
+    v, p = jnp.where(fb, v_nm, v), jnp.where(fb, prob(v_nm), p)
+    # M2T: (num_to_transfer + introduced masks) while original masks remain, else every mask.
+    conf = jnp.where(mask, p, -jnp.inf)
+    need = knobs["num_to_transfer"].astype(jnp.int32) + n_mask - n_orig
+    high = mask & (conf > knobs["threshold"][:, None])
+    top = mask & (rank_desc(conf) < jnp.minimum(need, n_mask)[:, None])
+    part = jnp.where((jnp.sum(high, axis=-1) >= need)[:, None], high, top)
+    m2t = jnp.where((cleanup | (n_orig == 0))[:, None], mask, part)
+    if maxpost == 0:  # no post-edit rounds: the step that picks the last original masks is the cleanup
+        last = (n_orig > 0) & ~jnp.any(omask & ~m2t, axis=-1)
+        cleanup |= last
+        m2t = jnp.where(last[:, None], mask, m2t)
+    t2t = gen_BS & ~mask & (p > knobs["editing_threshold"][:, None]) & (v != x_BS)
+    tr = m2t | t2t
+    empty = ~jnp.any(tr, axis=-1)
+    # The cleanup writes no MASK / DELETE / SPLIT.
+    ctl = (vid == M) | (vid == D) | (vid == SP)
+    bad = cleanup[:, None] & tr & ((v == M) | (v == D) | (v == SP))
+    v = jnp.where(bad, best(ctl), v)
+    # Anti-loop: a block state seen before at this block's steps -> the lowest-p changing position
+    # takes its best token not yet written there (nor the mask id at an original mask).
+    h_valid = jnp.arange(H)[None, :] < stp_B[:, None]
+    seen = jnp.any(h_valid & jnp.all(st["seen"] == x_BS[:, None, :], axis=-1), axis=-1)
+    changing = tr & (v != x_BS)
+    anti = seen & ~cleanup & jnp.any(changing, axis=-1)
+    c = jnp.argmin(jnp.where(changing, p, jnp.inf), axis=-1)
+    lc = jnp.take_along_axis(l, c[:, None, None], axis=1)[:, 0]  # (B, V)
+    tried = jnp.where(h_valid, jnp.take_along_axis(st["hist"], c[:, None, None], axis=2)[..., 0], V)
+    lc = jax.vmap(lambda r, t: r.at[t].set(-jnp.inf, mode="drop"))(lc, tried)
+    lc = jnp.where(jnp.take_along_axis(omask, c[:, None], axis=-1) & (vid == M)[None, :], -jnp.inf, lc)
+    v_c = jnp.argmax(lc, axis=-1).astype(jnp.int32)
+    v = jnp.where(anti[:, None] & (jnp.arange(S)[None, :] == c[:, None]), v_c[:, None], v)
+    at = (jnp.arange(H) == stp_B[:, None])[:, :, None]
+    st = dict(seen=jnp.where(at, x_BS[:, None, :], st["seen"]),
+              hist=jnp.where(at, jnp.where(tr, v, -1)[:, None, :], st["hist"]))
+    y = jnp.where(tr, v, x_BS)
+    ins, dels = tr & (v == SP), tr & (v == D)
+    rebuilt, orig_new = indel_rebuild(y, x_BS, orig, gen_BS, M, D, SP)
+    has = jnp.any(ins | dels, axis=-1)[:, None]
+    st["orig"] = jnp.where(has, orig_new, orig)
+    new = jnp.where(empty[:, None], x_BS, jnp.where(has, rebuilt, y))
+    return (new, empty | cleanup, post, st, t2t, jnp.sum(ins, axis=-1).astype(jnp.int32),
+            jnp.sum(dels, axis=-1).astype(jnp.int32))
+
+
 def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
                          observer_id=None):
     """Block-diffusion generation (module doc) as loop.loop_functions' (init, body, stat keys); init
@@ -116,6 +246,11 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < row_end_B[:, None])
     base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
 
+    if spec.indel:
+        ids = dict(cfg.extra_token_ids)
+        edit_ids = (ids["delete_token_id"], ids["split_token_id"])
+        H = Bk + spec.max_post_steps + 1  # update steps a block can take
+
     def init(canvas_BL, active_B):
         tail = (idx_L[None, :] >= gen_end) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
         x0 = jnp.where(tail, M, canvas_BL)
@@ -125,13 +260,18 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                                      logits_window=(jnp.zeros((B,), jnp.int32), 1))
         kv = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
         kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, kv_pre))
-        return dict(
+        state = dict(
             x=x0, kv=kv, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
             post=jnp.zeros((B,), jnp.int32), it=jnp.zeros((B,), jnp.int32), done=~active_B,
             row_nfe=jnp.zeros((B,), jnp.int32), edits=jnp.zeros((B,), jnp.int32),
             nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
         )
+        if spec.indel:  # LLaDA2.2 insert/delete editing: per-row block state (indel_step)
+            state.update(ind=dict(orig=jnp.zeros((B, Bk), bool), seen=jnp.zeros((B, H, Bk), jnp.int32),
+                                  hist=jnp.zeros((B, H, Bk), jnp.int32)),
+                         inserts=jnp.zeros((B,), jnp.int32), deletes=jnp.zeros((B,), jnp.int32))
+        return state
 
     def body(s):
         active = ~s["done"]
@@ -173,13 +313,19 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             if spec.steps_per_block:
                 n_B = jnp.maximum(knobs["num_to_transfer"].astype(jnp.int32),
                                   transfer_schedule(s["stp"], Bk, spec.steps_per_block))
-            new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B)
+            if spec.indel:
+                new_blk, fin_ind, post_ind, ind, t2t, n_ins, n_del = indel_step(
+                    logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
+            else:
+                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
             x = window_write(x, new_blk, start_B)
 
         any_mask_after = jnp.any(new_blk == M, axis=-1)
-        if spec.editing:
+        if spec.indel:
+            post, finished = post_ind, active & fin_ind
+        elif spec.editing:
             post_fill = ~jnp.any(masked0, axis=-1)
             post = s["post"] + post_fill.astype(jnp.int32)
             finished = active & ((post_fill & ~jnp.any(t2t, axis=-1)) |
@@ -207,9 +353,13 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             nfe_commit=s["nfe_commit"] + jnp.any(commit).astype(jnp.int32),
             iters=s["iters"] + 1,
         )
+        if spec.indel:
+            new.update(ind=ind, inserts=s["inserts"] + jnp.where(active, n_ins, 0),
+                       deletes=s["deletes"] + jnp.where(active, n_del, 0))
         if spec.observe:
             from dinfer_jax.decoding.observe import emit
             emit(observer_id, s["iters"], x[:, gen_start:gen_end], new["blk"], done, active)
         return {**s, **new}
 
-    return init, body, ("iters", "row_nfe", "steps_per_block", "done", "edits", "nfe_commit")
+    keys = ("iters", "row_nfe", "steps_per_block", "done", "edits", "nfe_commit")
+    return init, body, keys + (("inserts", "deletes") if spec.indel else ())

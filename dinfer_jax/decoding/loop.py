@@ -52,6 +52,7 @@ class DecodeSpec:
     observe: bool = False  # host callback after every iteration (streaming, live canvas); off = no host syncs
     editing: bool = False  # block mode: LLaDA2.1 token-to-token edits (post-fill forwards)
     max_post_steps: int = 16  # block mode with editing: post-fill forwards per block at most
+    indel: bool = False  # block mode: LLaDA2.2 insert/delete editing (block_loop.indel_step; implies editing)
 
     def __post_init__(self):
         problems = []
@@ -77,8 +78,8 @@ class DecodeSpec:
                 problems.append("cache='block' takes no smoothing, start_block_align or refresh_every")
             if self.max_post_steps < 0:
                 problems.append(f"max_post_steps={self.max_post_steps} must be >= 0")
-        elif self.editing:
-            problems.append("token editing (editing_threshold) needs cache='block' (block diffusion)")
+        elif self.editing or self.indel:
+            problems.append("token editing (editing_threshold, indel) needs cache='block' (block diffusion)")
         if problems:
             raise ValueError("invalid decoding settings: " + "; ".join(problems))
 
@@ -104,6 +105,8 @@ class DecodeSpec:
         per_block = self.steps_per_block if self.strategy in st.FIXED else self.block_length
         if self.cache == "block":  # + post-fill forwards; + B for steps that commit the mask id itself
             per_block = 2 * self.block_length + (self.max_post_steps + 1 if self.editing else 0)
+            if self.indel:  # SGLang's max_steps (B + max_post_edit_steps + 2) bounds an indel block
+                per_block = self.block_length + self.max_post_steps + 2
         return self.num_blocks * per_block
 
 
