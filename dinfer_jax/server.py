@@ -91,6 +91,8 @@ class ServerConfig:
     max_batch: int = 16
     max_queue: int = 256
     batch_wait_s: float = 0.005
+    scheduler: str = "continuous"  # continuous (dinfer_jax/continuous.py) | static (Batcher: whole batches)
+    segment: int = 8  # continuous: loop iterations per segment (bench/segment_cost.py)
 
 
 @dataclasses.dataclass
@@ -238,7 +240,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    batcher = Batcher(model.generator, tokenizer, cfg)
+    if cfg.scheduler == "continuous":
+        from dinfer_jax.continuous import ContinuousBatcher
+        batcher = ContinuousBatcher(model.generator, tokenizer, cfg, segment=cfg.segment)
+    elif cfg.scheduler == "static":
+        batcher = Batcher(model.generator, tokenizer, cfg)
+    else:
+        raise ValueError(f"scheduler={cfg.scheduler!r}: choose continuous or static")
     max_len = cfg.max_model_len or model.config.max_position_embeddings
     app = FastAPI(title="dinfer-jax", version="1")
     app.state.batcher = batcher

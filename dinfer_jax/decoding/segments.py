@@ -164,6 +164,13 @@ class RunningBatch:
         finished = [b for b in range(self.B) if self.slots[b] is not None and done[b]]
         return self._read(finished) if finished else []
 
+    def progress(self):
+        """Host copies of the running canvas' generation region (B, G), block index (B,) and done (B,)."""
+        from dinfer_jax.engine import to_host
+        s = self.state
+        return (to_host(s["x"])[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s["blk"]),
+                to_host(s["done"]))
+
     def _read(self, rows: list[int]) -> list[RowResult]:
         from dinfer_jax.engine import to_host
         spec, cfg = self.spec, self.cfg

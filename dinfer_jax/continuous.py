@@ -1,0 +1,148 @@
+"""The server's continuous-batching scheduler (first done, first out).
+
+`ContinuousBatcher` has the static `server.Batcher`'s interface (submit / close / snapshot) and
+its job plumbing, but decodes with `decoding/segments.RunningBatch`es: the one-jit loop runs in
+segments of at most `segment` iterations (a segment also ends as soon as some row finishes);
+between segments, finished rows are answered and waiting requests take the freed slots. A short
+request no longer waits for the longest one in its batch, and a request arriving mid-batch starts
+at the next segment boundary instead of after the whole batch.
+
+Programs: one RunningBatch per (DecodeSpec, prompt bucket) in flight, at most `max_programs` at
+once, stepped round robin; a batch's size is the power of two covering the waiting rows that
+match it (at least MIN_BATCH, at most max_batch) when it is created, and it is dropped when it runs empty (its
+compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs
+(threshold, temperature, seed, ...) differ freely. A job that fits no running batch waits for one
+to drain (FIFO among equals; other jobs may pass it).
+
+Streaming jobs get each finished block at the segment boundary after it is decoded (one extra
+device-to-host read of the running canvas per segment, only while a streaming row runs).
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from dinfer_jax.server import Batcher
+
+DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
+MIN_BATCH = 4  # smallest batch a new program gets (fewer distinct compiled sizes: 4, 8, ..., max_batch)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class ContinuousBatcher(Batcher):
+    """Continuous batching over RunningBatches (module doc). One scheduler thread."""
+
+    def __init__(self, generator, tokenizer, cfg, segment: int = DEFAULT_SEGMENT, max_programs: int = 4):
+        self.segment, self.max_programs = segment, max_programs
+        self.batches: list = []
+        super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
+        with self.cond:
+            for k in ("segments", "admitted", "running_rows"):
+                self.stats.setdefault(k, 0)
+
+    # ---- scheduling (scheduler thread)
+
+    def _pick(self):
+        """Under the lock: pop the pending jobs that can start now -> [(RunningBatch, [jobs])]."""
+        plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
+        free = {id(rb): len(rb.free) for rb in self.batches}
+        rest = collections.deque()
+        new_batches = []
+        while self.pending:
+            j = self.pending.popleft()
+            n = len(j.prompt_ids)
+            fits = [rb for rb in self.batches + new_batches if rb.spec == j.key and rb.fits(n) and free[id(rb)] > 0]
+            if not fits and len(self.batches) + len(new_batches) < self.max_programs:
+                same = [k for k in [j] + list(self.pending) if k.key == j.key]
+                size = min(self.cfg.max_batch, max(_pow2(len(same)), MIN_BATCH))
+                rb = self.gen.running_batch(j.params, size,
+                                            max(len(k.prompt_ids) for k in same))
+                new_batches.append(rb)
+                free[id(rb)] = rb.B
+                fits = [rb]
+            if not fits:
+                rest.append(j)
+                continue
+            rb = min(fits, key=lambda r: r.gen_start)
+            free[id(rb)] -= 1
+            plan.setdefault(id(rb), (rb, []))[1].append(j)
+        self.pending = rest
+        self.batches += new_batches
+        return list(plan.values())
+
+    def _run(self):
+        while True:
+            with self.cond:
+                while not self.pending and not any(rb.running for rb in self.batches) and not self._stop:
+                    self.cond.wait()
+                if self._stop:
+                    self._cancel_all()
+                    return
+                plan = self._pick()
+            try:
+                for rb, jobs in plan:
+                    rb.admit([(j, np.asarray(j.prompt_ids, np.int32), j.params) for j in jobs])
+                    with self.cond:
+                        self.stats["admitted"] += len(jobs)
+                for rb in list(self.batches):
+                    if rb.running:
+                        self._segment(rb)
+            except Exception as e:  # a failing program fails its rows; the server stays up
+                self._fail_all(e)
+            with self.cond:
+                self.batches = [rb for rb in self.batches if rb.running]
+                self.stats["running_rows"] = sum(rb.running for rb in self.batches)
+
+    def _segment(self, rb):
+        t = time.perf_counter()
+        finished = rb.step(self.segment)
+        with self.cond:
+            self.stats["segments"] += 1
+            self.stats["batches"] += 1
+            self.stats["batch_sizes"][rb.running + len(finished)] += 1
+            self.stats["max_batch_size"] = max(self.stats["max_batch_size"], rb.running + len(finished))
+            self.stats["completed"] += len(finished)
+        for r in finished:
+            j = r.tag
+            ids, stopped = self._text_until_stop(r.raw_ids[:j.max_tokens])
+            if j.events is not None:
+                self._emit(j, ids)
+            self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
+                                    "finish_reason": "stop" if stopped else "length", "nfe": r.nfe,
+                                    "tpf": round(r.tpf, 4), "batch_size": rb.B,
+                                    "segment_seconds": round(time.perf_counter() - t, 4)})
+        streaming = [(b, j) for b, j in enumerate(rb.slots) if j is not None and j.events is not None]
+        if streaming:
+            gen, blk, done = rb.progress()
+            bl = rb.spec.block_length
+            for b, j in streaming:
+                n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
+                if n_blocks > j.sent_blocks:
+                    j.sent_blocks = n_blocks
+                    ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)])
+                    self._emit(j, ids)
+
+    def _fail_all(self, exc):
+        for rb in self.batches:
+            for b, j in enumerate(rb.slots):
+                if j is not None:
+                    self._finish(j, exc=exc)
+                    rb.slots[b] = None
+            rb.state = None
+        with self.cond:
+            self.stats["failed"] += 1
+
+    def _cancel_all(self):
+        exc = RuntimeError("the server is shutting down")
+        for rb in self.batches:
+            for j in rb.slots:
+                if j is not None:
+                    self._finish(j, exc=exc)
+        for j in self.pending:
+            self._finish(j, exc=exc)
+        self.pending.clear()
