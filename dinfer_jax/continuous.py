@@ -73,6 +73,7 @@ class ContinuousBatcher(Batcher):
             plan.setdefault(id(rb), (rb, []))[1].append(j)
         self.pending = rest
         self.batches += new_batches
+        self.stats["batches"] += len(new_batches)
         return list(plan.values())
 
     def _run(self):
@@ -101,9 +102,8 @@ class ContinuousBatcher(Batcher):
     def _segment(self, rb):
         t = time.perf_counter()
         finished = rb.step(self.segment)
-        with self.cond:
+        with self.cond:  # "batches": programs started; "batch_sizes": rows decoding per segment
             self.stats["segments"] += 1
-            self.stats["batches"] += 1
             self.stats["batch_sizes"][rb.running + len(finished)] += 1
             self.stats["max_batch_size"] = max(self.stats["max_batch_size"], rb.running + len(finished))
             self.stats["completed"] += len(finished)
