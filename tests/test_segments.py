@@ -125,3 +125,24 @@ def test_admit_checks(demo):
     rb.admit([("a", np.asarray(tok.encode("add 1+2="), np.int32), sp)])
     with pytest.raises(ValueError, match="free slots"):
         rb.admit([("b", np.asarray(tok.encode("add 1+2="), np.int32), sp)])
+
+
+def test_evicted_row_frees_its_slot_and_leaves_the_others_alone(demo):
+    """A cancelled request's row is evicted at a segment boundary: it never reports, its slot takes
+    the next prompt, and the other row decodes exactly as alone."""
+    model, tok = demo
+    sp = SamplingParams(gen_length=16, block_length=8, strategy="fixed", steps=16, cache="dual")
+    a, b, c = (tok.encode(t) for t in ("sort 88123456789=", "next abcdefgh=", "add 7+8="))
+    rb = model.generator.running_batch(sp, 2, 16)
+    rb.admit([("a", np.asarray(a, np.int32), sp), ("b", np.asarray(b, np.int32), sp)])
+    assert rb.step(2) == []
+    rb.evict([rb.slots.index("a")])
+    assert rb.running == 1 and len(rb.free) == 1
+    rb.admit([("c", np.asarray(c, np.int32), sp)])
+    results = {}
+    while rb.running:
+        results.update({r.tag: r for r in rb.step(4)})
+    assert set(results) == {"b", "c"}
+    for tag, p in (("b", b), ("c", c)):
+        alone = generate(model, [p], sp)
+        assert results[tag].raw_ids.tolist() == alone.raw_ids[0].tolist() and results[tag].nfe == alone.nfe[0]

@@ -164,6 +164,17 @@ class RunningBatch:
         finished = [b for b in range(self.B) if self.slots[b] is not None and done[b]]
         return self._read(finished) if finished else []
 
+    def evict(self, slots: list[int]):
+        """Stop decoding the rows in `slots` (their requests were cancelled or timed out): they are
+        marked done, so the next segments skip them, and the slots are free for new rows."""
+        if not slots or self.state is None:
+            return
+        sel = np.zeros((self.B,), bool)
+        sel[list(slots)] = True
+        self.state = {**self.state, "done": self.state["done"] | self.gen.model.place_batch(sel)}
+        for b in slots:
+            self.slots[b] = None
+
     def progress(self):
         """Host copies of the running canvas' generation region (B, G), block index (B,) and done (B,)."""
         from dinfer_jax.engine import to_host
