@@ -238,12 +238,16 @@ def cmd_generate(a):
     r = generate(model, [np.asarray(ids)], sp, observer=observer)
     c1 = compile_cache.stats()
     compile_s, hits = c1["compile_seconds"] - c0["compile_seconds"], c1["hits"] - c0["hits"]
+    timed = generate(model, [np.asarray(ids)], sp).seconds if a.timed else None  # compiled: decode time only
     if not _is_main_process():
         return
     text = tok.decode(r.token_ids[0]) if tok is not None else None
     out = {"token_ids": r.token_ids[0], "text": text, "nfe": r.nfe[0], "tpf": round(r.tpf[0], 3),
            "seconds": round(r.seconds, 4), "compile_seconds": round(compile_s, 4), "compile_cache_hits": hits,
            "compile_cache": c1["dir"]}
+    if timed is not None:
+        out["timed_seconds"] = round(timed, 4)
+        out["tokens_per_s"] = round(len(r.token_ids[0]) / max(timed, 1e-9), 1)
     if a.json:
         print(json.dumps(out))
     else:
@@ -251,9 +255,9 @@ def cmd_generate(a):
         n = len(r.token_ids[0])
         cache = (f"{hits} program(s) from the compile cache {c1['dir']}" if hits else
                  f"compile cache {c1['dir']}" if c1["dir"] else "compile cache off")
-        print(f"[{n} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s incl. "
-              f"compile ({n / max(r.seconds, 1e-9):.1f} tokens/s); XLA compile {compile_s:.2f}s; {cache}]",
-              file=sys.stderr)
+        rerun = f"; timed rerun {timed:.3f}s = {out['tokens_per_s']:.0f} tokens/s" if timed is not None else ""
+        print(f"[{n} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s incl. compile"
+              f"{rerun}; XLA compile {compile_s:.2f}s; {cache}]", file=sys.stderr)
 
 
 def cmd_eval(a):
@@ -594,6 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "stderr is not a terminal)")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, nfe, tpf, seconds, "
                                                        "compile_seconds, compile_cache_hits, compile_cache")
+    g.add_argument("--timed", action="store_true",
+                   help="decode a second time with the compiled program and report its seconds and tokens/s")
     _add_compile_cache_flag(g)
     _add_scale_flags(g)
     g.set_defaults(fn=cmd_generate)
