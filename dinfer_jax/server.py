@@ -791,4 +791,13 @@ def serve(model_dir: str | None, host: str = "127.0.0.1", port: int = 8000, cfg:
             fmt = None
     cfg = cfg or ServerConfig(model_name=model_dir or "dinfer-jax")
     app = create_app(model, tok, cfg, fmt)
+    import signal
+    import sys
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal it caught after its graceful shutdown; with this handler
+        # restored under it, a drained SIGTERM ends the process with status 0.
+        signal.signal(signal.SIGTERM, lambda *_: None)
     make_server(app, host, port, log_level).run()
+    s = app.state.batcher.snapshot()
+    print(f"dinfer-jax: server stopped ({s['completed']} prompts completed, {s['cancelled']} cancelled)",
+          file=sys.stderr, flush=True)

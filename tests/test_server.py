@@ -451,3 +451,45 @@ def test_metrics_are_prometheus_text(served):
     assert values["dinfer_generated_tokens_total"] >= 8 and values["dinfer_tokens_per_second"] > 0
     assert "dinfer_compile_cache_hits_total" in values and values["dinfer_ready"] == 1
     assert "# TYPE dinfer_generated_tokens_total counter" in r.text
+
+
+def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
+    """`dinfer-jax serve --warmup` (demo model) in its own process: ready after warmup, answers,
+    exports /metrics, and on SIGTERM finishes and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = open(tmp_path / "serve.log", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "dinfer_jax.cli", "serve", "--port", str(port), "--warmup",
+                          "--max-batch", "1", "--compile-cache", str(tmp_path / "cc"), "--log-level", "warning"],
+                         stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        ready = None
+        for _ in range(1200):
+            assert p.poll() is None, open(tmp_path / "serve.log").read()
+            try:
+                ready = httpx.get(f"{url}/health", timeout=5)
+                if ready.status_code == 200:
+                    break
+                assert ready.json() == {"status": "warming up"}
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert ready is not None and ready.json() == {"status": "ok"}
+        assert "dinfer_ready 1" in httpx.get(f"{url}/metrics", timeout=10).text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "add 123+045="}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "0168"
+        assert httpx.get(f"{url}/stats", timeout=10).json()["warmup_programs"] == 2
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
