@@ -203,14 +203,34 @@ class Batcher:
         self.submit_all([job])
 
     def submit_all(self, jobs: list[Job]):
-        """Queue every job of one request, or none (QueueFull when they do not all fit now)."""
+        """Queue every job of one request, or none (QueueFull when they do not all fit now).
+        Cancelled / expired jobs leave the queue first, so their slots count as free."""
         with self.cond:
-            if len(self.pending) + len(jobs) > self.cfg.max_queue:
+            dropped = self._purge_locked()
+            full = len(self.pending) + len(jobs) > self.cfg.max_queue
+            if full:
                 self.stats["rejected_queue_full"] += 1
-                raise QueueFull()
-            self.pending.extend(jobs)
-            self.stats["requests"] += len(jobs)
-            self.cond.notify()
+            else:
+                self.pending.extend(jobs)
+                self.stats["requests"] += len(jobs)
+                self.cond.notify()
+        self._drop(dropped)
+        if full:
+            raise QueueFull()
+
+    def _purge_locked(self) -> list[Job]:
+        """Remove cancelled / expired jobs from the queue (holding `cond`) -> them."""
+        now = time.monotonic()
+        dropped = [j for j in self.pending if j.expired(now)]
+        if dropped:
+            self.pending = collections.deque(j for j in self.pending if not j.expired(now))
+            self.stats["cancelled"] += len(dropped)
+        return dropped
+
+    def _drop(self, jobs: list[Job]):
+        for j in jobs:
+            self._finish(j, exc=Cancelled("the request was cancelled or its deadline passed before decoding "
+                                          "started", status=504))
 
     def close(self):
         """Stop the worker; jobs still queued fail with Cancelled (a running batch finishes first)."""
@@ -277,22 +297,18 @@ class Batcher:
                 return None
         time.sleep(self.cfg.batch_wait_s)  # let concurrent requests arrive
         with self.cond:
-            now = time.monotonic()
-            dropped = [j for j in self.pending if j.expired(now)]
-            live = [j for j in self.pending if not j.expired(now)]
+            dropped = self._purge_locked()
+            live = list(self.pending)
             batch, rest = [], collections.deque()
             for j in live:
                 (batch if j.key == live[0].key and len(batch) < self.cfg.max_batch else rest).append(j)
             self.pending = rest
-            self.stats["cancelled"] += len(dropped)
             if batch:
                 self.stats["batches"] += 1
                 self.stats["batch_sizes"][len(batch)] += 1
                 self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch))
                 self.running_rows = len(batch)
-        for j in dropped:
-            self._finish(j, exc=Cancelled("the request was cancelled or its deadline passed before decoding "
-                                          "started", status=504))
+        self._drop(dropped)
         return batch
 
     def _warmup_sizes(self) -> list[int]:

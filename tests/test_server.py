@@ -272,8 +272,10 @@ def test_request_is_admitted_whole_or_not(served):
 
 
 def test_deadline_answers_504_and_drops_the_queued_request(served):
+    """At the deadline: 504; the expired queued job frees its queue slot (a later request is
+    admitted, not 503) and is never decoded."""
     _, model, tok, *_ = served
-    app, gen = _held_app(model, tok, request_timeout_s=0.5)
+    app, gen = _held_app(model, tok, request_timeout_s=0.5, max_queue=1)
     b = app.state.batcher
 
     async def go():
@@ -281,13 +283,17 @@ def test_deadline_answers_504_and_drops_the_queued_request(served):
             first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 8}))
             await _until(gen.busy.is_set, "the first batch")
             second = await c.post("/v1/completions", json={"prompt": "a dog", "max_tokens": 8})
-            return await first, second
+            third = asyncio.create_task(c.post("/v1/completions", json={"prompt": "jax", "max_tokens": 8}))
+            await _until(lambda: b.snapshot()["requests"] == 3, "the third request admitted")
+            return await first, second, await third
 
-    r1, r2 = asyncio.run(go())
-    for r in (r1, r2):
+    r1, r2, r3 = asyncio.run(go())
+    for r in (r1, r2, r3):
         assert r.status_code == 504 and "timed out after 0.5s" in r.json()["error"]["message"], r.text
-    gen.go.set()  # the running batch (not interruptible) ends; the expired queued one never starts
-    _wait(lambda: b.snapshot()["cancelled"] == 1 and b.snapshot()["running_rows"] == 0, "the drop")
+    s = b.snapshot()
+    assert s["rejected_queue_full"] == 0 and s["cancelled"] == 1  # the second left the queue for the third
+    gen.go.set()  # the running batch (not interruptible) ends; the expired queued ones never start
+    _wait(lambda: b.snapshot()["cancelled"] == 2 and b.snapshot()["running_rows"] == 0, "the drop")
     assert gen.calls == [[tok.encode("the cat")]]
     b.close()
 
