@@ -418,7 +418,9 @@ class Batcher:
         def done():
             if job.future.done():
                 return
-            if exc is not None:
+            if job.cancelled:  # nobody waits for it (timed out / client gone): no unretrieved exception
+                job.future.cancel()
+            elif exc is not None:
                 job.future.set_exception(exc)
             else:
                 job.future.set_result(result)

@@ -311,7 +311,7 @@ def _start(app):
     return f"http://127.0.0.1:{port}", server, th
 
 
-def test_streaming_client_that_leaves_frees_its_slot(served):
+def test_clients_that_leave_free_their_slots(served):
     _, model, tok, *_ = served
     app, gen = _held_app(model, tok)
     b = app.state.batcher
@@ -325,12 +325,14 @@ def test_streaming_client_that_leaves_frees_its_slot(served):
                       json={"prompt": "a dog", "max_tokens": 8, "stream": True}) as r:
         assert r.status_code == 200
         _wait(lambda: b.snapshot()["queue_depth"] == 1, "the stream queued")
-    # the client is gone: its queued job is marked cancelled and dropped when the engine is free
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{url}/v1/completions", timeout=1.0, json={"prompt": "jax", "max_tokens": 8})
+    # the clients are gone: their queued jobs are marked cancelled and dropped
     _wait(lambda: all(j.cancelled for j in list(b.pending)), "the cancel")
     gen.go.set()
     t1.join(60)
     assert out and out[0].status_code == 200
-    _wait(lambda: b.snapshot()["cancelled"] == 1, "the drop")
+    _wait(lambda: b.snapshot()["cancelled"] == 2, "the drop")
     assert gen.calls == [[tok.encode("the cat")]]
     server.should_exit = True
     th.join(10)
