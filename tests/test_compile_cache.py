@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.smoke  # no torch; also runs on the newest jax
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

