@@ -481,7 +481,6 @@ def cmd_serve(a):
     from dinfer_jax.checkpoint import generation_defaults
     from dinfer_jax.server import ServerConfig, serve
     model_dir = _model_dir(a)
-    compile_cache.enable(a.compile_cache)
     d = generation_defaults(model_dir)
     block = a.block_length or d.get("block_length", 64)
     defaults = SamplingParams(block_length=block, strategy=a.strategy,
@@ -491,6 +490,9 @@ def cmd_serve(a):
                               **_block_flags(a))
     if a.steps is not None and a.steps > a.max_steps:
         raise ValueError(f"--steps {a.steps} exceeds --max-steps {a.max_steps}")
+    if defaults.max_post_steps > a.max_post_steps_limit:
+        raise ValueError(f"--max-post-steps {defaults.max_post_steps} exceeds --max-post-steps-limit "
+                         f"{a.max_post_steps_limit}")
     name = a.model_name or os.path.basename(os.path.normpath(model_dir))
     cfg = ServerConfig(model_name=name, default_params=defaults,
                        default_max_tokens=a.default_max_tokens or d.get("gen_length", 128), max_tokens=a.max_tokens,
@@ -499,6 +501,7 @@ def cmd_serve(a):
                        request_timeout_s=a.request_timeout or None, warmup=a.warmup)
     if cfg.default_max_tokens > cfg.max_tokens:
         raise ValueError(f"--default-max-tokens {cfg.default_max_tokens} exceeds --max-tokens {cfg.max_tokens}")
+    compile_cache.enable(a.compile_cache)  # before the first compile (load_model places params)
     model = _load_model(a, model_dir)
     print(f"serving {name!r} on http://{a.host}:{a.port}/v1 (max batch {a.max_batch}"
           f"{'; compiling the default settings first (--warmup)' if a.warmup else ''})", file=sys.stderr, flush=True)

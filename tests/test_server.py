@@ -404,12 +404,20 @@ def test_work_knobs_are_bounded(served, body, param):
     assert err["param"] == param and param in err["message"], err
 
 
-def test_serve_rejects_ports_outside_1_65535(capsys):
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "70000"], "port 70000 is outside 1..65535"),
+    (["--port", "0"], "port 0 is outside 1..65535"),
+    (["--request-timeout", "-1"], "expected a finite number >= 0"),
+    (["--steps", "2000"], "--steps 2000 exceeds --max-steps 1024"),
+    (["--max-post-steps", "100"], "--max-post-steps 100 exceeds --max-post-steps-limit 64"),
+    (["--default-max-tokens", "64", "--max-tokens", "32"], "--default-max-tokens 64 exceeds --max-tokens 32"),
+])
+def test_serve_rejects_bad_flags(capsys, flags, needle):
     from dinfer_jax.cli import main
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--port", "70000"])
+        main(["serve", *flags])
     assert e.value.code == 2
-    assert "port 70000 is outside 1..65535" in capsys.readouterr().err
+    assert needle in capsys.readouterr().err
 
 
 def test_sampling_without_seed_gets_a_fresh_reported_seed(served):
