@@ -45,10 +45,29 @@ class ContinuousBatcher(Batcher):
             for k in ("segments", "admitted", "running_rows"):
                 self.stats.setdefault(k, 0)
 
+    # ---- --warmup (server.Batcher._main calls these before the first job)
+
+    def _warmup_sizes(self) -> list[int]:
+        """The batch sizes `_pick` creates: powers of two from MIN_BATCH, capped at max_batch."""
+        sizes, b = [], min(self.cfg.max_batch, MIN_BATCH)
+        while b not in sizes:
+            sizes.append(b)
+            b = min(self.cfg.max_batch, b * 2)
+        return sizes
+
+    def _warmup_batch(self, p, size, ids) -> int:
+        """Compile a RunningBatch of `size` slots: fill it, run its segments until every row is done."""
+        rb = self.gen.running_batch(p, size, len(ids))
+        rb.admit([(object(), ids, p) for _ in range(size)])
+        while rb.running:
+            rb.step(self.segment)
+        return 1
+
     # ---- scheduling (scheduler thread)
 
     def _pick(self):
         """Under the lock: pop the pending jobs that can start now -> [(RunningBatch, [jobs])]."""
+        self._drop(self._purge_locked())  # cancelled / expired jobs never start (server.Batcher)
         plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
         free = {id(rb): len(rb.free) for rb in self.batches}
         rest = collections.deque()

@@ -18,9 +18,10 @@ Bounds and lifetimes: every knob that sets work (max_tokens, steps, max_post_ste
 limit (400 naming the field above it). A request is admitted whole or not at all: more prompts
 than --max-queue -> 400 (it can never fit), a queue without room for all of them -> 503. A request
 whose deadline (--request-timeout) passes, or whose streaming client goes away, is cancelled: if
-still queued it is dropped before decoding (its slot goes to the next request). A batch already
-running on the accelerator is one compiled loop and cannot be interrupted; it finishes (bounded by
-the limits above) and the cancelled rows' results are discarded.
+still queued it is dropped before decoding (its slot goes to the next request; static and
+continuous schedulers alike). A prompt already decoding is not interrupted (a static batch is one
+compiled loop; the continuous scheduler does not evict rows yet): it finishes (bounded by the
+limits above) and its result is discarded.
 With temperature > 0 and no seed, each prompt gets a fresh random seed, reported back as `seed`.
 `--warmup` compiles the default settings' batch buckets before traffic is admitted; /health
 answers 503 until then. SIGTERM: new requests get 503, in-flight ones finish, then the process
@@ -188,8 +189,7 @@ class Batcher:
         self.cond = threading.Condition()
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "cancelled": 0,
                       "batches": 0, "max_batch_size": 0, "batch_sizes": collections.Counter(),
-                      "generated_tokens": 0, "decode_seconds": 0.0, "warmup_programs": 0, "warmup_error": None}
-        self.running_rows = 0
+                      "generated_tokens": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None}
         self.ready = threading.Event()
         self.draining = False  # set on SIGTERM: new requests get 503
         self._recent: collections.deque = collections.deque()  # (monotonic end, tokens) of recent batches
@@ -248,7 +248,6 @@ class Batcher:
             s = dict(self.stats)
             s["batch_sizes"] = {str(k): v for k, v in sorted(self.stats["batch_sizes"].items())}
             s["queue_depth"] = len(self.pending)
-            s["running_rows"] = self.running_rows
             s["ready"] = self.ready.is_set()
             now = time.monotonic()
             while self._recent and self._recent[0][0] < now - 60:
@@ -273,8 +272,7 @@ class Batcher:
             ("dinfer_rejected_queue_full_total", "counter", "requests answered 503 (queue full)",
              s["rejected_queue_full"]),
             ("dinfer_batches_total", "counter", "engine batches run", s["batches"]),
-            ("dinfer_generated_tokens_total", "counter", "tokens returned to clients", s["generated_tokens"]),
-            ("dinfer_decode_seconds_total", "counter", "seconds the engine spent decoding", s["decode_seconds"]),
+            ("dinfer_generated_tokens_total", "counter", "tokens generated for answered prompts", s["generated_tokens"]),
             ("dinfer_tokens_per_second", "gauge", "generated tokens per second over the last 60 s",
              s["tokens_per_second"]),
             ("dinfer_compile_cache_hits_total", "counter", "programs read from the persistent compile cache",
@@ -307,7 +305,7 @@ class Batcher:
                 self.stats["batches"] += 1
                 self.stats["batch_sizes"][len(batch)] += 1
                 self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch))
-                self.running_rows = len(batch)
+                self.stats["running_rows"] = len(batch)
         self._drop(dropped)
         return batch
 
@@ -357,11 +355,11 @@ class Batcher:
                     self._finish(j, exc=e)
             finally:
                 with self.cond:
-                    self.running_rows = 0
+                    self.stats["running_rows"] = 0
 
-    def _text_until_stop(self, ids, job: Job) -> tuple[list[int], bool]:
+    def _text_until_stop(self, ids, job: Optional[Job] = None) -> tuple[list[int], bool]:
         """The ids before the first stop id (all of them with ignore_eos), and whether one was met."""
-        if job.params.ignore_eos:
+        if job is not None and job.params.ignore_eos:
             return [int(t) for t in ids], False
         out = []
         for t in ids:
@@ -386,24 +384,17 @@ class Batcher:
                         ids, _ = self._text_until_stop(gen_BG[b, :min(finished * bl, j.max_tokens)], j)
                         self._emit(j, ids)
             observer = send_finished_blocks
-        t = time.monotonic()
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
-        n_tokens = 0
         for b, j in enumerate(batch):
             ids, stopped = self._text_until_stop(r.raw_ids[b][:j.max_tokens], j)
-            n_tokens += len(ids)
             if j.events is not None:
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
                                     "finish_reason": "stop" if stopped else "length", "nfe": r.nfe[b],
-                                    "tpf": round(r.tpf[b], 4), "batch_size": len(batch), "seed": j.params.seed})
-        end = time.monotonic()
+                                    "tpf": round(r.tpf[b], 4), "batch_size": len(batch)})
         with self.cond:
             self.stats["completed"] += len(batch)
-            self.stats["generated_tokens"] += n_tokens
-            self.stats["decode_seconds"] += end - t
-            self._recent.append((end, n_tokens))
 
     def _emit(self, job: Job, ids: list[int]):
         text = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))
@@ -415,6 +406,16 @@ class Batcher:
                 job.cancelled = True
 
     def _finish(self, job: Job, result=None, exc=None):
+        """Answer a job (any scheduler): its seed is added to the result, its tokens counted."""
+        if result is not None:
+            result = {**result, "seed": job.params.seed}
+            with self.cond:
+                self.stats["generated_tokens"] += len(result["token_ids"])
+                now = time.monotonic()
+                self._recent.append((now, len(result["token_ids"])))
+                while self._recent[0][0] < now - 60:
+                    self._recent.popleft()
+
         def done():
             if job.future.done():
                 return
