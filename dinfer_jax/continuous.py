@@ -128,7 +128,7 @@ class ContinuousBatcher(Batcher):
             self.stats["completed"] += len(finished)
         for r in finished:
             j = r.tag
-            ids, stopped = self._text_until_stop(r.raw_ids[:j.max_tokens])
+            ids, stopped = self._text_until_stop(r.raw_ids[:j.max_tokens], j)
             if j.events is not None:
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
@@ -143,7 +143,7 @@ class ContinuousBatcher(Batcher):
                 n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
                 if n_blocks > j.sent_blocks:
                     j.sent_blocks = n_blocks
-                    ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)])
+                    ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)], j)
                     self._emit(j, ids)
 
     def _fail_all(self, exc):
