@@ -504,6 +504,7 @@ def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "0168"
         stats = httpx.get(f"{url}/stats", timeout=10).json()
         assert stats["warmup_programs"] >= 1 and stats["warmup_error"] is None, stats
+        assert os.listdir(tmp_path / "cc")  # the warmed programs went to the on-disk compile cache
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0
     finally:
