@@ -95,6 +95,26 @@ def _positive(text):
     return v
 
 
+def _port(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port {v} is outside 1..65535")
+    return v
+
+
+def _nonneg_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
 def _model_dir(a) -> str:
     """--model, or the built-in demo model when it is omitted."""
     from dinfer_jax.checkpoint import DEMO_MODEL_DIR, check_model_folder, is_checkpoint
@@ -167,7 +187,8 @@ def _sampling_params(a, model_dir: str):
     sp = SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
                         low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
                         cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                        early_stop=not a.no_early_stop, **_block_flags(a)).validate()
+                        early_stop=not a.no_early_stop, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
+                        **_block_flags(a)).validate()
     _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
     return sp
 
@@ -194,9 +215,16 @@ def _is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def _add_compile_cache_flag(p):
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache folder, or 'off' (default: $DINFER_JAX_COMPILE_CACHE, "
+                        "else ~/.cache/dinfer-jax/jax-compile): a second start reads its programs from disk")
+
+
 def cmd_generate(a):
     import numpy as np
-    from dinfer_jax import generate
+    from dinfer_jax import compile_cache, generate
+    compile_cache.enable(a.compile_cache)  # before the first compile
     model_dir, tok, ids, sp, model = _prompt_setup(a)
     observer = None
     if a.show_canvas and _is_main_process():
@@ -205,18 +233,31 @@ def cmd_generate(a):
         view = CanvasView(cfg.mask_token_id, {cfg.eos_token_id, cfg.eot_token_id} - {None},
                           decode=tok.decode if tok is not None else None, stream=sys.stderr)
         observer = view if view.enabled else None
+    from dinfer_jax import compile_cache
+    c0 = compile_cache.stats()
     r = generate(model, [np.asarray(ids)], sp, observer=observer)
+    c1 = compile_cache.stats()
+    compile_s, hits = c1["compile_seconds"] - c0["compile_seconds"], c1["hits"] - c0["hits"]
+    timed = generate(model, [np.asarray(ids)], sp).seconds if a.timed else None  # compiled: decode time only
     if not _is_main_process():
         return
     text = tok.decode(r.token_ids[0]) if tok is not None else None
     out = {"token_ids": r.token_ids[0], "text": text, "nfe": r.nfe[0], "tpf": round(r.tpf[0], 3),
-           "seconds": round(r.seconds, 4)}
+           "seconds": round(r.seconds, 4), "compile_seconds": round(compile_s, 4), "compile_cache_hits": hits,
+           "compile_cache": c1["dir"]}
+    if timed is not None:
+        out["timed_seconds"] = round(timed, 4)
+        out["tokens_per_s"] = round(len(r.token_ids[0]) / max(timed, 1e-9), 1)
     if a.json:
         print(json.dumps(out))
     else:
         print(text if text is not None else " ".join(map(str, r.token_ids[0])))
-        print(f"[{len(r.token_ids[0])} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, "
-              f"{r.seconds:.2f}s incl. compile]", file=sys.stderr)
+        n = len(r.token_ids[0])
+        cache = (f"{hits} program(s) from the compile cache {c1['dir']}" if hits else
+                 f"compile cache {c1['dir']}" if c1["dir"] else "compile cache off")
+        rerun = f"; timed rerun {timed:.3f}s = {out['tokens_per_s']:.0f} tokens/s" if timed is not None else ""
+        print(f"[{n} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s incl. compile"
+              f"{rerun}; XLA compile {compile_s:.2f}s; {cache}]", file=sys.stderr)
 
 
 def cmd_eval(a):
@@ -403,6 +444,9 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
     p.add_argument("--no-early-stop", action="store_true", help="keep decoding blocks after EOS")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode all gen-length tokens: the EOS logit is -inf, so EOS is never chosen")
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS is forbidden in the first N generated tokens")
     b = p.add_argument_group("block diffusion (--cache block; LLaDA2.x)")
     b.add_argument("--edit-mode", choices=("quality", "speed"), default=None,
                    help="LLaDA2.1 preset: quality = threshold 0.7, editing 0.5; speed = threshold 0.5, editing 0.0 "
@@ -433,7 +477,7 @@ def cmd_serve(a):
         import uvicorn  # noqa: F401
     except ImportError:
         raise ValueError("serve needs FastAPI and uvicorn: pip install 'dinfer-jax[serve]'") from None
-    from dinfer_jax import SamplingParams
+    from dinfer_jax import SamplingParams, compile_cache
     from dinfer_jax.checkpoint import generation_defaults
     from dinfer_jax.server import ServerConfig, serve
     model_dir = _model_dir(a)
@@ -442,13 +486,25 @@ def cmd_serve(a):
     defaults = SamplingParams(block_length=block, strategy=a.strategy,
                               low_threshold=a.low_threshold, factor=a.factor, steps=a.steps, cache=a.cache,
                               temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                              early_stop=not a.no_early_stop, **_block_flags(a))
+                              early_stop=not a.no_early_stop, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
+                              **_block_flags(a))
+    if a.steps is not None and a.steps > a.max_steps:
+        raise ValueError(f"--steps {a.steps} exceeds --max-steps {a.max_steps}")
+    if defaults.max_post_steps > a.max_post_steps_limit:
+        raise ValueError(f"--max-post-steps {defaults.max_post_steps} exceeds --max-post-steps-limit "
+                         f"{a.max_post_steps_limit}")
     name = a.model_name or os.path.basename(os.path.normpath(model_dir))
     cfg = ServerConfig(model_name=name, default_params=defaults,
                        default_max_tokens=a.default_max_tokens or d.get("gen_length", 128), max_tokens=a.max_tokens,
-                       max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000)
+                       max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000,
+                       max_steps=a.max_steps, max_post_steps=a.max_post_steps_limit,
+                       request_timeout_s=a.request_timeout or None, warmup=a.warmup)
+    if cfg.default_max_tokens > cfg.max_tokens:
+        raise ValueError(f"--default-max-tokens {cfg.default_max_tokens} exceeds --max-tokens {cfg.max_tokens}")
+    compile_cache.enable(a.compile_cache)  # before the first compile (load_model places params)
     model = _load_model(a, model_dir)
-    print(f"serving {name!r} on http://{a.host}:{a.port}/v1 (max batch {a.max_batch})", file=sys.stderr, flush=True)
+    print(f"serving {name!r} on http://{a.host}:{a.port}/v1 (max batch {a.max_batch}"
+          f"{'; compiling the default settings first (--warmup)' if a.warmup else ''})", file=sys.stderr, flush=True)
     serve(model_dir, a.host, a.port, cfg, model=model, log_level=a.log_level)
 
 
@@ -543,23 +599,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show-canvas", action="store_true",
                    help="redraw the canvas after every step on the terminal (masked positions as '░'; off when "
                         "stderr is not a terminal)")
-    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, nfe, tpf, seconds")
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, nfe, tpf, seconds, "
+                                                       "compile_seconds, compile_cache_hits, compile_cache")
+    g.add_argument("--timed", action="store_true",
+                   help="decode a second time with the compiled program and report its seconds and tokens/s")
+    _add_compile_cache_flag(g)
     _add_scale_flags(g)
     g.set_defaults(fn=cmd_generate)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                       "/v1/models, /health, /stats)")
     sv.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=_positive, default=8000)
+    sv.add_argument("--port", type=_port, default=8000, help="1..65535 (default 8000)")
     sv.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the folder name)")
     sv.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together at most")
-    sv.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 503")
+    sv.add_argument("--max-queue", type=_positive, default=256,
+                    help="waiting prompts before answering 503 (a request with more prompts gets 400)")
     sv.add_argument("--max-tokens", type=_positive, default=1024, help="largest max_tokens a request may ask")
+    sv.add_argument("--max-steps", type=_positive, default=1024, help="largest steps a request may ask")
+    sv.add_argument("--max-post-steps-limit", type=int, default=64, dest="max_post_steps_limit",
+                    help="largest max_post_steps a request may ask (block diffusion with editing)")
+    sv.add_argument("--request-timeout", type=_nonneg_float, default=600.0,
+                    help="seconds before a request is answered 504 and dropped if not yet decoding (0: none)")
+    sv.add_argument("--warmup", action="store_true",
+                    help="compile the default settings for every batch bucket up to --max-batch (prompts up to "
+                         "32 tokens, streaming and not) before admitting traffic; /health is 503 until then")
     sv.add_argument("--default-max-tokens", type=_positive, default=None,
                     help="max_tokens when a request omits it (default: the folder's gen_length, else 128)")
     sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="wait for more requests before a batch")
     _add_decoding_flags(sv, with_lengths=False)
     sv.add_argument("--block-length", type=_positive, default=None, help="default block length (requests may override)")
+    _add_compile_cache_flag(sv)
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     _add_scale_flags(sv)
     sv.set_defaults(fn=cmd_serve)

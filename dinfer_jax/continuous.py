@@ -45,10 +45,29 @@ class ContinuousBatcher(Batcher):
             for k in ("segments", "admitted", "running_rows"):
                 self.stats.setdefault(k, 0)
 
+    # ---- --warmup (server.Batcher._main calls these before the first job)
+
+    def _warmup_sizes(self) -> list[int]:
+        """The batch sizes `_pick` creates: powers of two from MIN_BATCH, capped at max_batch."""
+        sizes, b = [], min(self.cfg.max_batch, MIN_BATCH)
+        while b not in sizes:
+            sizes.append(b)
+            b = min(self.cfg.max_batch, b * 2)
+        return sizes
+
+    def _warmup_batch(self, p, size, ids) -> int:
+        """Compile a RunningBatch of `size` slots: fill it, run its segments until every row is done."""
+        rb = self.gen.running_batch(p, size, len(ids))
+        rb.admit([(object(), ids, p) for _ in range(size)])
+        while rb.running:
+            rb.step(self.segment)
+        return 1
+
     # ---- scheduling (scheduler thread)
 
     def _pick(self):
         """Under the lock: pop the pending jobs that can start now -> [(RunningBatch, [jobs])]."""
+        self._drop(self._purge_locked())  # cancelled / expired jobs never start (server.Batcher)
         plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
         free = {id(rb): len(rb.free) for rb in self.batches}
         rest = collections.deque()
@@ -109,7 +128,7 @@ class ContinuousBatcher(Batcher):
             self.stats["completed"] += len(finished)
         for r in finished:
             j = r.tag
-            ids, stopped = self._text_until_stop(r.raw_ids[:j.max_tokens])
+            ids, stopped = self._text_until_stop(r.raw_ids[:j.max_tokens], j)
             if j.events is not None:
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
@@ -124,7 +143,7 @@ class ContinuousBatcher(Batcher):
                 n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
                 if n_blocks > j.sent_blocks:
                     j.sent_blocks = n_blocks
-                    ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)])
+                    ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)], j)
                     self._emit(j, ids)
 
     def _fail_all(self, exc):

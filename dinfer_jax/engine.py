@@ -54,6 +54,8 @@ _RULES = {
     "num_to_transfer": (_INT, 1, True, None, False),
     "top_k": (_INT, 0, True, None, False),
     "top_p": (_FLOAT, 0.0, False, 1.0, True),
+    "ignore_eos": (_BOOL,),
+    "min_tokens": (_INT, 0, True, None, False),
 }
 
 
@@ -132,6 +134,11 @@ class SamplingParams:
     # LLaDA2.2 insert/delete editing (SGLang's JointThresholdInDel; block_loop.indel_step): greedy;
     # editing_threshold None means SGLang's edit_threshold 0; needs a model with DELETE/SPLIT ids.
     indel: bool = False
+    # vLLM's extras (per row, traced): EOS never chosen (all gen_length tokens are decoded; no early
+    # stop), or EOS forbidden in the first min_tokens generated positions. Only the model's EOS id is
+    # forbidden, not an end-of-turn id.
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -156,6 +163,8 @@ class SamplingParams:
             steps = self.gen_length if self.steps is None else self.steps
             if steps % nb:
                 raise InvalidParam("steps", f"steps={steps} must be a positive multiple of the number of blocks ({nb})")
+        if self.min_tokens > self.gen_length:
+            raise InvalidParam("min_tokens", f"min_tokens={self.min_tokens} exceeds gen_length={self.gen_length}")
         if self.smoothing and self.cache == "prefix":
             raise InvalidParam("smoothing", "iteration smoothing with the prefix cache is not supported "
                                             "(use none, dual or vicinity)")
@@ -393,6 +402,7 @@ class Generator:
             oid = observe.register(observer)
         try:
             prog, args, rows, spec, gen_start = self._prepare(prompts, params, observer is not None, oid)
+            per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(rows)
             t = time.perf_counter()
             with jax.profiler.TraceAnnotation("dinfer_generate"):
                 canvas, stats = prog(*args)
@@ -413,7 +423,7 @@ class Generator:
         out, tpf = [], []
         for b in range(n):
             toks = raw[b].tolist()
-            cut = next((i for i, t_ in enumerate(toks) if t_ in stops), len(toks))
+            cut = len(toks) if per_row[b].ignore_eos else next((i for i, t_ in enumerate(toks) if t_ in stops), len(toks))
             out.append(toks[:cut])
             real = int(np.sum((raw[b] != cfg.eos_id) & (raw[b] != cfg.mask_token_id)))
             tpf.append(real / max(1, int(stats["row_nfe"][b])))

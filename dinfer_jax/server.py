@@ -13,6 +13,19 @@ strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block
 max_post_steps, num_to_transfer, top_k, indel (OpenAI clients pass them with `extra_body=`); top_p is
 OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
+
+Bounds and lifetimes: every knob that sets work (max_tokens, steps, max_post_steps) has a server
+limit (400 naming the field above it). A request is admitted whole or not at all: more prompts
+than --max-queue -> 400 (it can never fit), a queue without room for all of them -> 503. A request
+whose deadline (--request-timeout) passes, or whose streaming client goes away, is cancelled: if
+still queued it is dropped before decoding (its slot goes to the next request; static and
+continuous schedulers alike). A prompt already decoding is not interrupted (a static batch is one
+compiled loop; the continuous scheduler does not evict rows yet): it finishes (bounded by the
+limits above) and its result is discarded.
+With temperature > 0 and no seed, each prompt gets a fresh random seed, reported back as `seed`.
+`--warmup` compiles the default settings' batch buckets before traffic is admitted; /health
+answers 503 until then. SIGTERM: new requests get 503, in-flight ones finish, then the process
+exits. /metrics: Prometheus text (queue depth, running rows, tokens, compile-cache hits).
 """
 from __future__ import annotations
 
@@ -20,6 +33,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import secrets
 import threading
 import time
 import uuid
@@ -30,12 +44,32 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dinfer_jax.engine import InvalidParam, SamplingParams
 
+try:  # module level: FastAPI resolves the handlers' (string) annotations in this module
+    from starlette.requests import Request
+except ImportError:  # serve needs the [serve] extra; create_app says so
+    Request = None
+
 STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy"]
 CACHE = Literal["none", "prefix", "dual", "vicinity", "block"]
 
 
 class QueueFull(Exception):
     pass
+
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting request checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+class Cancelled(Exception):
+    """A job dropped before decoding (deadline passed, client gone, shutdown); `status` for HTTP."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
 
 
 class DinferFields(BaseModel):
@@ -57,6 +91,9 @@ class DinferFields(BaseModel):
     num_to_transfer: Optional[int] = None
     top_k: Optional[int] = None
     indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
+    # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = None
 
 
 class CommonFields(DinferFields):
@@ -93,6 +130,10 @@ class ServerConfig:
     batch_wait_s: float = 0.005
     scheduler: str = "continuous"  # continuous (dinfer_jax/continuous.py) | static (Batcher: whole batches)
     segment: int = 8  # continuous: loop iterations per segment (bench/segment_cost.py)
+    max_steps: int = 1024  # largest `steps` a request may ask (fixed / random strategies)
+    max_post_steps: int = 64  # largest `max_post_steps` (block diffusion with editing)
+    request_timeout_s: Optional[float] = 600.0  # None: no deadline
+    warmup: bool = False  # compile the default settings' batch buckets before admitting traffic
 
 
 @dataclasses.dataclass
@@ -107,10 +148,37 @@ class Job:
     events: Optional[asyncio.Queue] = None  # streaming: text deltas
     sent_text: str = ""
     sent_blocks: int = 0
+    deadline: Optional[float] = None  # time.monotonic() after which the job is not started
+    cancelled: bool = False  # set by the request handler (timeout, client gone)
+
+    def expired(self, now: float) -> bool:
+        return self.cancelled or (self.deadline is not None and now >= self.deadline)
+
+
+def derive_params(d: SamplingParams, upd: dict, max_tokens: int) -> SamplingParams:
+    """A request's SamplingParams: the server defaults `d` with the body's fields `upd`; the block
+    is at most max_tokens, gen_length is max_tokens rounded up to whole blocks, and fixed / random
+    strategies default to one step per token. InvalidParam on a bad value."""
+    upd = dict(upd)
+    block = min(dataclasses.replace(d, **upd).block_length, max_tokens)  # the engine's rules (InvalidParam)
+    upd["block_length"] = block
+    upd["gen_length"] = -(-max_tokens // block) * block
+    if upd.get("strategy", d.strategy) in ("fixed", "random") and "steps" not in upd:
+        upd["steps"] = upd["gen_length"]
+    return dataclasses.replace(d, **upd)
+
+
+def warmup_params(cfg: ServerConfig) -> SamplingParams:
+    """The settings `--warmup` compiles: the server's defaults at default_max_tokens."""
+    return derive_params(cfg.default_params, {}, cfg.default_max_tokens)
 
 
 class Batcher:
-    """Groups queued jobs with the same compiled settings into engine batches (one worker thread)."""
+    """Groups queued jobs with the same compiled settings into engine batches (one worker thread).
+
+    cfg.warmup: the default settings' programs are compiled (`_warmup_sizes` x `_warmup_batch`)
+    before the first job; `ready` is set after. Subclasses (continuous.py) override `_run`; the
+    thread runs `_main`: warmup, ready, `_run`."""
 
     def __init__(self, generator, tokenizer, cfg: ServerConfig):
         self.gen, self.tok, self.cfg = generator, tokenizer, cfg
@@ -119,25 +187,60 @@ class Batcher:
         self.mask_id = mc.mask_token_id
         self.pending: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
-        self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "batches": 0,
-                      "max_batch_size": 0, "batch_sizes": collections.Counter()}
+        self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "cancelled": 0,
+                      "batches": 0, "max_batch_size": 0, "batch_sizes": collections.Counter(),
+                      "generated_tokens": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None}
+        self.ready = threading.Event()
+        self.draining = False  # set on SIGTERM: new requests get 503
+        self._recent: collections.deque = collections.deque()  # (monotonic end, tokens) of recent batches
+        self._t0 = time.monotonic()
+        self._warmup = warmup_params(cfg) if cfg.warmup else None
         self._stop = False
-        self.thread = threading.Thread(target=self._run, name="dinfer-batcher", daemon=True)
+        self.thread = threading.Thread(target=self._main, name="dinfer-batcher", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job):
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]):
+        """Queue every job of one request, or none (QueueFull when they do not all fit now).
+        Cancelled / expired jobs leave the queue first, so their slots count as free."""
         with self.cond:
-            if len(self.pending) >= self.cfg.max_queue:
+            dropped = self._purge_locked()
+            full = len(self.pending) + len(jobs) > self.cfg.max_queue
+            if full:
                 self.stats["rejected_queue_full"] += 1
-                raise QueueFull()
-            self.pending.append(job)
-            self.stats["requests"] += 1
-            self.cond.notify()
+            else:
+                self.pending.extend(jobs)
+                self.stats["requests"] += len(jobs)
+                self.cond.notify()
+        self._drop(dropped)
+        if full:
+            raise QueueFull()
+
+    def _purge_locked(self) -> list[Job]:
+        """Remove cancelled / expired jobs from the queue (holding `cond`) -> them."""
+        now = time.monotonic()
+        dropped = [j for j in self.pending if j.expired(now)]
+        if dropped:
+            self.pending = collections.deque(j for j in self.pending if not j.expired(now))
+            self.stats["cancelled"] += len(dropped)
+        return dropped
+
+    def _drop(self, jobs: list[Job]):
+        for j in jobs:
+            self._finish(j, exc=Cancelled("the request was cancelled or its deadline passed before decoding "
+                                          "started", status=504))
 
     def close(self):
+        """Stop the worker; jobs still queued fail with Cancelled (a running batch finishes first)."""
         with self.cond:
             self._stop = True
+            left, self.pending = list(self.pending), collections.deque()
+            self.stats["cancelled"] += len(left)
             self.cond.notify()
+        for j in left:
+            self._finish(j, exc=Cancelled("the server is shutting down"))
         self.thread.join(timeout=10)
 
     def snapshot(self) -> dict:
@@ -145,32 +248,104 @@ class Batcher:
             s = dict(self.stats)
             s["batch_sizes"] = {str(k): v for k, v in sorted(self.stats["batch_sizes"].items())}
             s["queue_depth"] = len(self.pending)
+            s["ready"] = self.ready.is_set()
+            now = time.monotonic()
+            while self._recent and self._recent[0][0] < now - 60:
+                self._recent.popleft()
+            window = max(1e-9, min(60.0, now - self._t0))
+            s["tokens_per_second"] = sum(n for _, n in self._recent) / window
         return s
 
-    def _take_batch(self) -> list[Job]:
+    def metrics_text(self) -> str:
+        """Prometheus text exposition format (version 0.0.4)."""
+        from dinfer_jax import compile_cache
+        s, cc = self.snapshot(), compile_cache.stats()
+        rows = [
+            ("dinfer_queue_depth", "gauge", "prompts waiting to be decoded", s["queue_depth"]),
+            ("dinfer_running_rows", "gauge", "prompts in the batch being decoded", s["running_rows"]),
+            ("dinfer_ready", "gauge", "1 once warmup is done", int(s["ready"])),
+            ("dinfer_requests_total", "counter", "prompts admitted", s["requests"]),
+            ("dinfer_completed_total", "counter", "prompts decoded", s["completed"]),
+            ("dinfer_failed_total", "counter", "prompts whose batch failed", s["failed"]),
+            ("dinfer_cancelled_total", "counter", "prompts dropped before decoding (deadline, client gone, "
+                                                  "shutdown)", s["cancelled"]),
+            ("dinfer_rejected_queue_full_total", "counter", "requests answered 503 (queue full)",
+             s["rejected_queue_full"]),
+            ("dinfer_batches_total", "counter", "engine batches run", s["batches"]),
+            ("dinfer_generated_tokens_total", "counter", "tokens generated for answered prompts", s["generated_tokens"]),
+            ("dinfer_tokens_per_second", "gauge", "generated tokens per second over the last 60 s",
+             s["tokens_per_second"]),
+            ("dinfer_compile_cache_hits_total", "counter", "programs read from the persistent compile cache",
+             cc["hits"]),
+            ("dinfer_compile_cache_misses_total", "counter", "programs compiled and written to the cache",
+             cc["misses"]),
+            ("dinfer_compile_seconds_total", "counter", "seconds spent in XLA backend compiles", cc["compile_seconds"]),
+        ]
+        out = []
+        for name, kind, help_, v in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(v):g}"]
+        return "\n".join(out) + "\n"
+
+    def _take_batch(self) -> Optional[list[Job]]:
+        """The next batch (maybe empty when every waiting job expired); None when stopping."""
         with self.cond:
             while not self.pending and not self._stop:
                 self.cond.wait()
             if self._stop:
-                return []
+                return None
         time.sleep(self.cfg.batch_wait_s)  # let concurrent requests arrive
         with self.cond:
-            key = self.pending[0].key
+            dropped = self._purge_locked()
+            live = list(self.pending)
             batch, rest = [], collections.deque()
-            while self.pending:
-                j = self.pending.popleft()
-                (batch if j.key == key and len(batch) < self.cfg.max_batch else rest).append(j)
+            for j in live:
+                (batch if j.key == live[0].key and len(batch) < self.cfg.max_batch else rest).append(j)
             self.pending = rest
-            self.stats["batches"] += 1
-            self.stats["batch_sizes"][len(batch)] += 1
-            self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch))
+            if batch:
+                self.stats["batches"] += 1
+                self.stats["batch_sizes"][len(batch)] += 1
+                self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch))
+                self.stats["running_rows"] = len(batch)
+        self._drop(dropped)
         return batch
+
+    def _warmup_sizes(self) -> list[int]:
+        """The batch sizes requests may run at: powers of two up to max_batch's bucket."""
+        sizes, b = [], 1
+        while True:
+            sizes.append(b)
+            if b >= self.cfg.max_batch:
+                return sizes
+            b *= 2
+
+    def _warmup_batch(self, p: SamplingParams, size: int, ids: np.ndarray) -> int:
+        """Compile (by running) the programs a batch of `size` rows uses -> how many."""
+        for observer in (None, lambda *a: None):  # plain and streaming variants
+            self.gen.generate([ids] * size, p, observer=observer)
+        return 2
+
+    def _main(self):
+        if self._warmup is not None:
+            mc = self.gen.model.config
+            tok = next(t for t in range(mc.vocab_size) if t not in (mc.mask_token_id, mc.eos_token_id))
+            try:
+                for size in self._warmup_sizes():
+                    n = self._warmup_batch(self._warmup, size, np.asarray([tok], np.int32))
+                    with self.cond:
+                        self.stats["warmup_programs"] += n
+            except Exception as e:  # the server still serves; /stats shows why warmup stopped
+                with self.cond:
+                    self.stats["warmup_error"] = f"{type(e).__name__}: {e}"
+        self.ready.set()
+        self._run()
 
     def _run(self):
         while True:
             batch = self._take_batch()
-            if not batch:
+            if batch is None:
                 return
+            if not batch:
+                continue
             try:
                 self._decode(batch)
             except Exception as e:  # the batch fails, the server stays up
@@ -178,8 +353,14 @@ class Batcher:
                     self.stats["failed"] += len(batch)
                 for j in batch:
                     self._finish(j, exc=e)
+            finally:
+                with self.cond:
+                    self.stats["running_rows"] = 0
 
-    def _text_until_stop(self, ids) -> tuple[list[int], bool]:
+    def _text_until_stop(self, ids, job: Optional[Job] = None) -> tuple[list[int], bool]:
+        """The ids before the first stop id (all of them with ignore_eos), and whether one was met."""
+        if job is not None and job.params.ignore_eos:
+            return [int(t) for t in ids], False
         out = []
         for t in ids:
             if t in self.stop_ids:
@@ -195,18 +376,18 @@ class Batcher:
 
             def send_finished_blocks(step, gen_BG, blk_B, done_B, active_B):
                 for b, j in enumerate(batch):
-                    if j.events is None:
+                    if j.events is None or j.cancelled:
                         continue
                     finished = gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b])
                     if finished > j.sent_blocks:
                         j.sent_blocks = finished
-                        ids, _ = self._text_until_stop(gen_BG[b, :min(finished * bl, j.max_tokens)])
+                        ids, _ = self._text_until_stop(gen_BG[b, :min(finished * bl, j.max_tokens)], j)
                         self._emit(j, ids)
             observer = send_finished_blocks
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
         for b, j in enumerate(batch):
-            ids, stopped = self._text_until_stop(r.raw_ids[b][:j.max_tokens])
+            ids, stopped = self._text_until_stop(r.raw_ids[b][:j.max_tokens], j)
             if j.events is not None:
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
@@ -219,17 +400,35 @@ class Batcher:
         text = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))
         if len(text) > len(job.sent_text) and text.startswith(job.sent_text):
             delta, job.sent_text = text[len(job.sent_text):], text
-            job.loop.call_soon_threadsafe(job.events.put_nowait, delta)
+            try:
+                job.loop.call_soon_threadsafe(job.events.put_nowait, delta)
+            except RuntimeError:  # the request's event loop is closed
+                job.cancelled = True
 
     def _finish(self, job: Job, result=None, exc=None):
+        """Answer a job (any scheduler): its seed is added to the result, its tokens counted."""
+        if result is not None:
+            result = {**result, "seed": job.params.seed}
+            with self.cond:
+                self.stats["generated_tokens"] += len(result["token_ids"])
+                now = time.monotonic()
+                self._recent.append((now, len(result["token_ids"])))
+                while self._recent[0][0] < now - 60:
+                    self._recent.popleft()
+
         def done():
             if job.future.done():
                 return
-            if exc is not None:
+            if job.cancelled:  # nobody waits for it (timed out / client gone): no unretrieved exception
+                job.future.cancel()
+            elif exc is not None:
                 job.future.set_exception(exc)
             else:
                 job.future.set_result(result)
-        job.loop.call_soon_threadsafe(done)
+        try:
+            job.loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the request's event loop is closed: nobody waits for this result
+            pass
 
 
 def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
@@ -237,9 +436,14 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     prompts only); chat_formatter: messages -> text (dinfer_jax.chat.ChatFormatter)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    if cfg.warmup:
+        try:
+            warmup_params(cfg).spec(model.config.mask_token_id, model.config.eos_id)
+        except InvalidParam as e:
+            raise InvalidParam(e.field, f"the server's default settings are invalid: {e}") from None
     if cfg.scheduler == "continuous":
         from dinfer_jax.continuous import ContinuousBatcher
         batcher = ContinuousBatcher(model.generator, tokenizer, cfg, segment=cfg.segment)
@@ -283,15 +487,27 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     async def _bad(request, exc: BadRequest):
         return error(exc.status, exc.message, exc.param, "server_overloaded" if exc.status == 503 else "invalid_request_error")
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request, exc: ClientGone):
+        return error(499, "the client closed the request", etype="client_closed_request")
+
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         return error(500, f"internal error: {type(exc).__name__}: {exc}", etype="server_error")
 
-    def sampling(req: CommonFields, max_tokens: int) -> SamplingParams:
+    def sampling(req: CommonFields, max_tokens: int, n_prompts: int = 1) -> list[SamplingParams]:
+        """One SamplingParams per prompt. temperature > 0 without a seed: a fresh random seed for
+        each prompt (reported back as `seed`); a given seed is used for every prompt."""
         if req.n not in (None, 1):
             raise BadRequest(f"n={req.n}: one completion per prompt is supported (send the prompt again)", "n")
         if req.stop:
             raise BadRequest("stop sequences are not supported (generation ends at the model's EOS)", "stop")
+        if max_tokens > cfg.max_tokens:
+            raise BadRequest(f"max_tokens={max_tokens} exceeds this server's limit of {cfg.max_tokens}", "max_tokens")
+        for name, limit in (("steps", cfg.max_steps), ("max_post_steps", cfg.max_post_steps)):
+            v = getattr(req, name)
+            if isinstance(v, int) and v > limit:
+                raise BadRequest(f"{name}={v} exceeds this server's limit of {limit}", name)
         d = cfg.default_params
         upd = {k: getattr(req, k) for k in DinferFields.model_fields if getattr(req, k) is not None}
         if req.temperature is not None:
@@ -301,17 +517,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if req.top_p is not None:
             upd["top_p"] = req.top_p
         try:
-            block = dataclasses.replace(d, **upd).block_length  # the engine's rules (InvalidParam)
-            block = min(block, max_tokens)
-            upd["block_length"] = block
-            upd["gen_length"] = -(-max_tokens // block) * block
-            if upd.get("strategy", d.strategy) in ("fixed", "random") and "steps" not in upd:
-                upd["steps"] = upd["gen_length"]
-            p = dataclasses.replace(d, **upd)
+            p = derive_params(d, upd, max_tokens)
             p.spec(model.config.mask_token_id, model.config.eos_id)
         except InvalidParam as e:
             raise BadRequest(str(e), e.field) from None
-        return p
+        if req.seed is None and p.temperature > 0:
+            return [dataclasses.replace(p, seed=secrets.randbits(32)) for _ in range(n_prompts)]
+        return [p] * n_prompts
 
     def encode(prompt, what="prompt", allow_special=False) -> list[int]:
         if isinstance(prompt, str):
@@ -332,23 +544,75 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         return ids
 
     def limits(ids: list[int], max_tokens: int, p: SamplingParams):
-        if max_tokens > cfg.max_tokens:
-            raise BadRequest(f"max_tokens={max_tokens} exceeds this server's limit of {cfg.max_tokens}", "max_tokens")
         if len(ids) + p.gen_length > max_len:
             raise BadRequest(f"prompt has {len(ids)} tokens; with max_tokens={max_tokens} (decoded as "
                              f"{p.gen_length}) it exceeds the maximum length {max_len}", "max_tokens")
 
-    async def run_jobs(ids_list, p, max_tokens, stream):
+    def admitting():
+        if batcher.draining:
+            raise BadRequest("the server is shutting down; retry on another instance", status=503)
+        if not batcher.ready.is_set():
+            raise BadRequest("the server is warming up (compiling); retry shortly", status=503)
+
+    async def run_jobs(ids_list, params, max_tokens, stream):
+        """Queue one job per prompt, all or none."""
+        admitting()
+        if len(ids_list) > cfg.max_queue:
+            raise BadRequest(f"{len(ids_list)} prompts in one request exceed this server's queue of "
+                             f"{cfg.max_queue}; send at most {cfg.max_queue} per request", "prompt")
         loop = asyncio.get_running_loop()
-        key = p.spec(model.config.mask_token_id, model.config.eos_token_id)
-        jobs = [Job(ids, p, max_tokens, loop, loop.create_future(), key, asyncio.Queue() if stream else None)
-                for ids in ids_list]
+        deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
+        jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
+                    p.spec(model.config.mask_token_id, model.config.eos_token_id),
+                    asyncio.Queue() if stream else None, deadline=deadline)
+                for ids, p in zip(ids_list, params)]
         try:
-            for j in jobs:
-                batcher.submit(j)
+            batcher.submit_all(jobs)
         except QueueFull:
             raise BadRequest(f"the request queue is full ({cfg.max_queue} waiting); retry later", status=503) from None
         return jobs
+
+    def cancel(jobs):
+        for j in jobs:
+            j.cancelled = True
+
+    def timed_out() -> BadRequest:
+        return BadRequest(f"the request timed out after {cfg.request_timeout_s:g}s (the server's "
+                          f"--request-timeout)", status=504)
+
+    async def wait_or_gone(aws: set, job_list, request, deadline):
+        """asyncio.wait for the first of `aws`, polling the client: the jobs are cancelled and
+        ClientGone / the 504 raised when the client disconnects / the deadline passes first."""
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                cancel(job_list)
+                raise timed_out()
+            step = DISCONNECT_POLL_S if left is None else min(DISCONNECT_POLL_S, left)
+            done, _ = await asyncio.wait(aws, timeout=step, return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return done
+            if request is not None and await request.is_disconnected():
+                cancel(job_list)
+                raise ClientGone()
+
+    async def results_of(jobs, request=None) -> list[dict]:
+        """The jobs' results; 504 at the deadline (the jobs are cancelled), 503/504 when dropped."""
+        fut = asyncio.gather(*(j.future for j in jobs))
+        try:
+            await wait_or_gone({fut}, jobs, request, jobs[0].deadline)
+            return fut.result()
+        except asyncio.CancelledError:  # the handler was cancelled (client gone)
+            cancel(jobs)
+            raise
+        except Cancelled as e:
+            cancel(jobs)
+            raise (timed_out() if e.status == 504 else BadRequest(str(e), status=e.status)) from None
+        finally:
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # retrieved: no "never retrieved" warning
 
     def usage(n_prompt, results):
         n_out = sum(len(r["token_ids"]) for r in results)
@@ -359,7 +623,15 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
 
     @app.get("/health")
     async def health():
+        if batcher.draining:
+            return JSONResponse(status_code=503, content={"status": "shutting down"})
+        if not batcher.ready.is_set():
+            return JSONResponse(status_code=503, content={"status": "warming up"})
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(batcher.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -375,7 +647,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest(f"model {name!r} is not served here (this server has {cfg.model_name!r})", "model", 404)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         max_tokens = req.max_tokens or cfg.default_max_tokens
         prompts = req.prompt
@@ -385,26 +657,34 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             items = [prompts]
         if req.stream and len(items) > 1:
             raise BadRequest("stream=true takes one prompt per request", "prompt")
-        p = sampling(req, max_tokens)
+        params = sampling(req, max_tokens, len(items))
         ids_list = [encode(x) for x in items]
         for ids in ids_list:
-            limits(ids, max_tokens, p)
-        jobs = await run_jobs(ids_list, p, max_tokens, req.stream)
+            limits(ids, max_tokens, params[0])
+        jobs = await run_jobs(ids_list, params, max_tokens, req.stream)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name}
         if req.stream:
-            return StreamingResponse(stream_completion(jobs[0], base, len(ids_list[0]), req), media_type="text/event-stream")
-        results = await asyncio.gather(*(j.future for j in jobs))
+            return StreamingResponse(stream_completion(jobs[0], base, len(ids_list[0]), req, request),
+                                     media_type="text/event-stream")
+        results = await results_of(jobs, request)
         return {**base, "choices": [{"index": i, "text": r["text"] if r["text"] is not None else "",
                                      "finish_reason": r["finish_reason"], "logprobs": None,
-                                     "token_ids": r["token_ids"], "nfe": r["nfe"], "tpf": r["tpf"]}
+                                     "token_ids": r["token_ids"], "nfe": r["nfe"], "tpf": r["tpf"],
+                                     "seed": r["seed"]}
                                     for i, r in enumerate(results)],
                 "usage": usage(sum(map(len, ids_list)), results)}
 
-    async def stream_events(job):
+    async def stream_events(job, request):
+        """Text deltas until the job finishes; at the deadline or when the client goes away the job
+        is cancelled (the stream then ends with an error event / silently)."""
         while True:
             get = asyncio.ensure_future(job.events.get())
-            done, _ = await asyncio.wait({get, job.future}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done = await wait_or_gone({get, job.future}, [job], request, job.deadline)
+            except BaseException:
+                get.cancel()
+                raise
             if get in done:
                 yield get.result()
                 continue
@@ -413,21 +693,32 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                 yield job.events.get_nowait()
             return
 
-    async def stream_completion(job, base, n_prompt, req):
-        async for delta in stream_events(job):
-            yield sse({**base, "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]})
+    def stream_error(e: Exception) -> str:
+        if isinstance(e, BadRequest):
+            return sse({"error": {"message": e.message, "type": "timeout" if e.status == 504 else "server_error"}})
+        return sse({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
+
+    async def stream_completion(job, base, n_prompt, req, request):
         try:
+            async for delta in stream_events(job, request):
+                yield sse({**base, "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]})
             r = job.future.result()
-        except Exception as e:
-            yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
+        except ClientGone:
             return
-        yield sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": r["finish_reason"], "logprobs": None}]})
+        except Exception as e:
+            yield stream_error(e)
+            return
+        finally:  # the client went away (the generator is cancelled) or the stream failed
+            if not job.future.done():
+                job.cancelled = True
+        yield sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": r["finish_reason"], "logprobs": None,
+                                        "seed": r["seed"]}]})
         if (req.stream_options or {}).get("include_usage"):
             yield sse({**base, "choices": [], "usage": usage(n_prompt, [r])})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
         if chat_formatter is None or tokenizer is None:
             raise BadRequest("this model folder has no tokenizer.json, so chat is unavailable; use /v1/completions "
@@ -445,31 +736,37 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         except ChatTemplateError as e:
             raise BadRequest(str(e), "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
-        p = sampling(req, max_tokens)
+        params = sampling(req, max_tokens)
         ids = encode(text, "messages", allow_special=True)
-        limits(ids, max_tokens, p)
-        jobs = await run_jobs([ids], p, max_tokens, req.stream)
+        limits(ids, max_tokens, params[0])
+        jobs = await run_jobs([ids], params, max_tokens, req.stream)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}
         if req.stream:
-            return StreamingResponse(stream_chat(jobs[0], base, len(ids), req), media_type="text/event-stream")
-        r = await jobs[0].future
+            return StreamingResponse(stream_chat(jobs[0], base, len(ids), req, request), media_type="text/event-stream")
+        r = (await results_of(jobs, request))[0]
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                             "finish_reason": r["finish_reason"], "logprobs": None}],
+                             "finish_reason": r["finish_reason"], "logprobs": None, "seed": r["seed"]}],
                 "usage": usage(len(ids), [r]), "nfe": r["nfe"], "tpf": r["tpf"]}
 
-    async def stream_chat(job, base, n_prompt, req):
+    async def stream_chat(job, base, n_prompt, req, request):
         chunk = {**base, "object": "chat.completion.chunk"}
         yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
-        async for delta in stream_events(job):
-            yield sse({**chunk, "choices": [{"index": 0, "delta": {"content": delta}, "finish_reason": None}]})
         try:
+            async for delta in stream_events(job, request):
+                yield sse({**chunk, "choices": [{"index": 0, "delta": {"content": delta}, "finish_reason": None}]})
             r = job.future.result()
-        except Exception as e:
-            yield sse({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
+        except ClientGone:
             return
-        yield sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": r["finish_reason"]}]})
+        except Exception as e:
+            yield stream_error(e)
+            return
+        finally:
+            if not job.future.done():
+                job.cancelled = True
+        yield sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": r["finish_reason"],
+                                         "seed": r["seed"]}]})
         if (req.stream_options or {}).get("include_usage"):
             yield sse({**chunk, "choices": [], "usage": usage(n_prompt, [r])})
         yield "data: [DONE]\n\n"
@@ -481,13 +778,28 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     return app
 
 
+def make_server(app, host: str, port: int, log_level: str = "info"):
+    """A uvicorn.Server whose SIGTERM / SIGINT first marks the app draining (new requests and
+    /health answer 503), then lets uvicorn stop listening, finish in-flight requests and exit."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.batcher.draining = True
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+
+
 def serve(model_dir: str | None, host: str = "127.0.0.1", port: int = 8000, cfg: ServerConfig | None = None,
           model=None, log_level: str = "info"):
-    """Load the model (or use `model`) and run uvicorn until interrupted."""
-    import uvicorn
+    """Load the model (or use `model`) and run uvicorn until SIGTERM / SIGINT (graceful: in-flight
+    requests finish first)."""
     from dinfer_jax.chat import ChatFormatter
     from dinfer_jax.model import load_model
     from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port {port} is outside 1..65535")
     model = model or load_model(model_dir)
     tok = load_tokenizer(model_dir) if model_dir and has_tokenizer(model_dir) else None
     fmt = None
@@ -498,4 +810,13 @@ def serve(model_dir: str | None, host: str = "127.0.0.1", port: int = 8000, cfg:
             fmt = None
     cfg = cfg or ServerConfig(model_name=model_dir or "dinfer-jax")
     app = create_app(model, tok, cfg, fmt)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    import signal
+    import sys
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal it caught after its graceful shutdown; with this handler
+        # restored under it, a drained SIGTERM ends the process with status 0.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    make_server(app, host, port, log_level).run()
+    s = app.state.batcher.snapshot()
+    print(f"dinfer-jax: server stopped ({s['completed']} prompts completed, {s['cancelled']} cancelled)",
+          file=sys.stderr, flush=True)

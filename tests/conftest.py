@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The CLI turns JAX's persistent compile cache on by default; tests (in-process CLI calls and their
+# subprocesses) leave ~/.cache alone unless a test sets its own folder.
+os.environ.setdefault("DINFER_JAX_COMPILE_CACHE", "off")
 
 from dinfer_jax.config import preset  # noqa: E402
 

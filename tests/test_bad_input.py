@@ -108,6 +108,8 @@ SETTINGS = [
     ("cont_weight", dict(cont_weight=2.0), None, None, "cont_weight=2.0"),
     ("credit_beta", dict(credit_beta=-0.1), None, None, "credit_beta=-0.1"),
     ("prefix_look", dict(prefix_look=-1), None, None, "prefix_look=-1"),
+    ("min_tokens", dict(min_tokens=-1), ["--min-tokens", "-1"], dict(min_tokens=-1), "min_tokens=-1 must be >= 0"),
+    ("ignore_eos", dict(ignore_eos="yes"), None, None, "ignore_eos='yes' must be true or false"),
 ]
 # Rules between fields, checked when a program is chosen (spec): library via generate().
 CROSS = [
@@ -118,6 +120,8 @@ CROSS = [
      dict(block_length=8, strategy="fixed", steps=3), "steps=3 must be a positive multiple of the number of blocks (2)"),
     ("smoothing", dict(smoothing=True, cache="prefix"), ["--smoothing", "--cache", "prefix"],
      dict(smoothing=True, cache="prefix"), "iteration smoothing with the prefix cache is not supported"),
+    ("min_tokens", dict(gen_length=16, block_length=16, min_tokens=17), ["--gen-length", "16", "--min-tokens", "17"],
+     dict(min_tokens=17), "min_tokens=17 exceeds gen_length=16"),
 ]
 IDS = [f"{c[0]}-{i}" for i, c in enumerate(SETTINGS + CROSS)]
 

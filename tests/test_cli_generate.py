@@ -17,7 +17,8 @@ def test_generate_json(moe_hf_dir):
              "--cache", "dual", "--json"])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"token_ids", "text", "nfe", "tpf", "seconds"}
+    assert set(out) == {"token_ids", "text", "nfe", "tpf", "seconds", "compile_seconds", "compile_cache_hits",
+                        "compile_cache"}
     assert len(out["token_ids"]) <= 16 and out["nfe"] >= 2 and out["text"] is None
 
 

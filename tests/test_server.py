@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -199,12 +200,339 @@ def test_hundred_concurrent_requests_are_batched_and_all_correct(served):
     assert batches < 50 and after["max_batch_size"] > 1, after
 
 
-def test_full_queue_answers_503(served):
-    from fastapi.testclient import TestClient
+class _HeldGenerator:
+    """Stands in for model.generator: records each batch's prompts and holds it until `go` is set
+    (a deterministic busy engine; no sleeps decide the outcome)."""
 
+    def __init__(self, config):
+        self.model = types.SimpleNamespace(config=config)
+        self.calls, self.go, self.busy = [], threading.Event(), threading.Event()
+
+    def generate(self, prompts, params, observer=None):
+        self.calls.append([[int(t) for t in p] for p in prompts])
+        self.busy.set()
+        assert self.go.wait(60)
+        p = params[0] if isinstance(params, (list, tuple)) else params
+        n = len(prompts)
+        return types.SimpleNamespace(raw_ids=np.full((n, p.gen_length), 7, np.int32), nfe=[1] * n, tpf=[1.0] * n)
+
+
+def _held_app(model, tok, **kw):
     from dinfer_jax.server import ServerConfig, create_app
-    _, model, tok, fmt, _ = served
-    app = create_app(model, tok, ServerConfig(model_name="tiny", max_queue=0), fmt)
-    r = TestClient(app).post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
-    assert r.status_code == 503 and "queue is full" in r.json()["error"]["message"]
+    gen = _HeldGenerator(model.config)
+    fake = types.SimpleNamespace(config=model.config, generator=gen)
+    app = create_app(fake, tok, ServerConfig(model_name="tiny", batch_wait_s=0.0, scheduler="static", **kw))
+    return app, gen
+
+
+def _asgi(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+
+
+async def _until(pred, what="condition"):
+    for _ in range(600):
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _wait(pred, what="condition"):
+    asyncio.run(_until(pred, what))
+
+
+def test_request_is_admitted_whole_or_not(served):
+    """A multi-prompt request larger than the queue can never fit: 400 naming `prompt`; one that
+    does not fit now: 503; neither leaves prompts behind in the queue."""
+    _, model, tok, *_ = served
+    app, gen = _held_app(model, tok, max_queue=2)
+    b = app.state.batcher
+    url = "/v1/completions"
+
+    async def go():
+        async with _asgi(app) as c:
+            first = asyncio.create_task(c.post(url, json={"prompt": "the cat", "max_tokens": 8}))
+            await _until(gen.busy.is_set, "the first batch")
+            second = asyncio.create_task(c.post(url, json={"prompt": "a dog", "max_tokens": 8}))
+            await _until(lambda: b.snapshot()["queue_depth"] == 1, "the second request queued")
+            later = await c.post(url, json={"prompt": ["jax", "hello"], "max_tokens": 8})
+            never = await c.post(url, json={"prompt": ["jax", "hello", "world"], "max_tokens": 8})
+            depth = b.snapshot()["queue_depth"]
+            gen.go.set()
+            return later, never, depth, await first, await second
+
+    later, never, depth, r1, r2 = asyncio.run(go())
+    assert later.status_code == 503 and "queue is full" in later.json()["error"]["message"], later.text
+    assert never.status_code == 400, never.text
+    assert never.json()["error"]["param"] == "prompt" and "3 prompts" in never.json()["error"]["message"]
+    assert depth == 1  # no orphans
+    assert r1.status_code == r2.status_code == 200
+    assert gen.calls == [[tok.encode("the cat")], [tok.encode("a dog")]]  # jax / hello / world never decoded
+    b.close()
+
+
+def test_deadline_answers_504_and_drops_the_queued_request(served):
+    """At the deadline: 504; the expired queued job frees its queue slot (a later request is
+    admitted, not 503) and is never decoded."""
+    _, model, tok, *_ = served
+    app, gen = _held_app(model, tok, request_timeout_s=0.5, max_queue=1)
+    b = app.state.batcher
+
+    async def go():
+        async with _asgi(app) as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 8}))
+            await _until(gen.busy.is_set, "the first batch")
+            second = await c.post("/v1/completions", json={"prompt": "a dog", "max_tokens": 8})
+            third = asyncio.create_task(c.post("/v1/completions", json={"prompt": "jax", "max_tokens": 8}))
+            await _until(lambda: b.snapshot()["requests"] == 3, "the third request admitted")
+            return await first, second, await third
+
+    r1, r2, r3 = asyncio.run(go())
+    for r in (r1, r2, r3):
+        assert r.status_code == 504 and "timed out after 0.5s" in r.json()["error"]["message"], r.text
+    s = b.snapshot()
+    assert s["rejected_queue_full"] == 0 and s["cancelled"] == 1  # the second left the queue for the third
+    gen.go.set()  # the running batch (not interruptible) ends; the expired queued ones never start
+    _wait(lambda: b.snapshot()["cancelled"] == 2 and b.snapshot()["running_rows"] == 0, "the drop")
+    assert gen.calls == [[tok.encode("the cat")]]
+    b.close()
+
+
+def _start(app):
+    """A uvicorn server for `app` in a thread -> (url, server, thread)."""
+    from dinfer_jax.server import make_server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, log_level="warning")
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    _wait(lambda: server.started, "uvicorn")
+    return f"http://127.0.0.1:{port}", server, th
+
+
+def test_clients_that_leave_free_their_slots(served):
+    _, model, tok, *_ = served
+    app, gen = _held_app(model, tok)
+    b = app.state.batcher
+    url, server, th = _start(app)
+    out = []
+    t1 = threading.Thread(target=lambda: out.append(httpx.post(f"{url}/v1/completions", timeout=60,
+                                                               json={"prompt": "the cat", "max_tokens": 8})))
+    t1.start()
+    _wait(gen.busy.is_set, "the first batch")
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"prompt": "a dog", "max_tokens": 8, "stream": True}) as r:
+        assert r.status_code == 200
+        _wait(lambda: b.snapshot()["queue_depth"] == 1, "the stream queued")
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{url}/v1/completions", timeout=1.0, json={"prompt": "jax", "max_tokens": 8})
+    # the clients are gone: their queued jobs are marked cancelled and dropped
+    _wait(lambda: all(j.cancelled for j in list(b.pending)), "the cancel")
+    gen.go.set()
+    t1.join(60)
+    assert out and out[0].status_code == 200
+    _wait(lambda: b.snapshot()["cancelled"] == 2, "the drop")
+    assert gen.calls == [[tok.encode("the cat")]]
+    server.should_exit = True
+    th.join(10)
+
+
+def test_sigterm_drains_then_exits(served):
+    """SIGTERM (uvicorn's handle_exit): new requests and /health get 503, the in-flight request
+    still completes, and the server thread exits."""
+    import signal
+    _, model, tok, *_ = served
+    app, gen = _held_app(model, tok)
+    url, server, th = _start(app)
+    out = []
+    t1 = threading.Thread(target=lambda: out.append(httpx.post(f"{url}/v1/completions", timeout=60,
+                                                               json={"prompt": "the cat", "max_tokens": 8})))
+    t1.start()
+    _wait(gen.busy.is_set, "the in-flight batch")
+    server.handle_exit(signal.SIGTERM, None)
+    assert app.state.batcher.draining
+
+    async def late():
+        async with _asgi(app) as c:
+            return await c.post("/v1/completions", json={"prompt": "a dog", "max_tokens": 8}), await c.get("/health")
+
+    r, health = asyncio.run(late())
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    assert health.status_code == 503 and health.json() == {"status": "shutting down"}
+    gen.go.set()
+    t1.join(60)
+    assert out and out[0].status_code == 200 and out[0].json()["choices"][0]["token_ids"] == [7] * 8
+    th.join(30)
+    assert not th.is_alive()
+
+
+def test_warmup_then_ready(served):
+    """--warmup compiles every batch bucket (streaming and not) before traffic: until then /health
+    and requests answer 503."""
+    _, model, tok, *_ = served
+    app, gen = _held_app(model, tok, warmup=True, max_batch=3, default_max_tokens=8)
+
+    async def go(ready):
+        async with _asgi(app) as c:
+            if ready:
+                await _until(app.state.batcher.ready.is_set, "warmup")
+            return await c.get("/health"), await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+
+    health, r = asyncio.run(go(False))
+    assert health.status_code == 503 and health.json() == {"status": "warming up"}
+    assert r.status_code == 503 and "warming up" in r.json()["error"]["message"]
+    gen.go.set()
+    health, r = asyncio.run(go(True))
+    assert health.json() == {"status": "ok"} and r.status_code == 200
+    assert [len(c) for c in gen.calls[:6]] == [1, 1, 2, 2, 4, 4]  # batch buckets 1, 2, 4 (>= max_batch 3)
+    assert app.state.batcher.snapshot()["warmup_programs"] == 6
     app.state.batcher.close()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"strategy": "fixed", "steps": 1_000_000_000}, "steps"),
+    ({"max_post_steps": 1000}, "max_post_steps"),
+    ({"max_tokens": 1_000_000_000}, "max_tokens"),
+    ({"min_tokens": 99}, "min_tokens"),
+])
+def test_work_knobs_are_bounded(served, body, param):
+    url, *_ = served
+    r = httpx.post(f"{url}/v1/completions", timeout=300, json={"prompt": "x", "max_tokens": 8, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "70000"], "port 70000 is outside 1..65535"),
+    (["--port", "0"], "port 0 is outside 1..65535"),
+    (["--request-timeout", "-1"], "expected a finite number >= 0"),
+    (["--steps", "2000"], "--steps 2000 exceeds --max-steps 1024"),
+    (["--max-post-steps", "100"], "--max-post-steps 100 exceeds --max-post-steps-limit 64"),
+    (["--default-max-tokens", "64", "--max-tokens", "32"], "--default-max-tokens 64 exceeds --max-tokens 32"),
+])
+def test_serve_rejects_bad_flags(capsys, flags, needle):
+    from dinfer_jax.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_sampling_without_seed_gets_a_fresh_reported_seed(served):
+    """temperature > 0 and no seed: each prompt draws its own seed (identical prompts in one request
+    differ), reported back; decoding with the reported seed reproduces the answer."""
+    url, model, tok, *_ = served
+    body = {"prompt": ["the cat", "the cat"], "max_tokens": 16, "block_length": 8, "threshold": 0.5,
+            "temperature": 2.0}
+    a = httpx.post(f"{url}/v1/completions", timeout=300, json=body).json()["choices"]
+    b = httpx.post(f"{url}/v1/completions", timeout=300, json=body).json()["choices"]
+    seeds = [c["seed"] for c in a + b]
+    assert len(set(seeds)) == 4, seeds
+    ids = tok.encode("the cat")
+    for c in a + b:
+        sp = SamplingParams(gen_length=16, block_length=8, threshold=0.5, temperature=2.0, seed=c["seed"])
+        assert c["token_ids"] == _direct(model, ids, sp)
+    assert len({tuple(c["token_ids"]) for c in a + b}) > 1
+    fixed = [httpx.post(f"{url}/v1/completions", timeout=300, json={**body, "seed": 7}).json()["choices"] for _ in range(2)]
+    assert [c["seed"] for c in fixed[0]] == [7, 7] and fixed[0] == fixed[1]
+
+
+def test_ignore_eos_and_min_tokens_fields(served):
+    url, model, tok, *_ = served
+    ids = tok.encode("hello world")
+    for extra, sp in (({"ignore_eos": True}, dict(ignore_eos=True)), ({"min_tokens": 12}, dict(min_tokens=12))):
+        r = httpx.post(f"{url}/v1/completions", timeout=300, json={"prompt": "hello world", "max_tokens": 16, "block_length": 8,
+                                                      "threshold": 0.5, **extra}).json()["choices"][0]
+        want = _direct(model, ids, SamplingParams(gen_length=16, block_length=8, threshold=0.5, **sp))
+        assert r["token_ids"] == want
+        if "ignore_eos" in extra:
+            assert len(r["token_ids"]) == 16 and r["finish_reason"] == "length"
+        else:
+            assert len(r["token_ids"]) >= 12
+
+
+def test_metrics_are_prometheus_text(served):
+    url, *_ = served
+    httpx.post(f"{url}/v1/completions", timeout=300, json={"prompt": "the cat", "max_tokens": 8, "ignore_eos": True})
+    r = httpx.get(f"{url}/metrics", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in r.text.splitlines():
+        if not line.startswith("#"):
+            name, v = line.split()
+            values[name] = float(v)
+    assert values["dinfer_queue_depth"] == 0 and values["dinfer_running_rows"] == 0
+    assert values["dinfer_generated_tokens_total"] >= 8 and values["dinfer_tokens_per_second"] > 0
+    assert "dinfer_compile_cache_hits_total" in values and values["dinfer_ready"] == 1
+    assert "# TYPE dinfer_generated_tokens_total counter" in r.text
+
+
+def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
+    """`dinfer-jax serve --warmup` (demo model) in its own process: ready after warmup, answers,
+    exports /metrics, and on SIGTERM finishes and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = open(tmp_path / "serve.log", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "dinfer_jax.cli", "serve", "--port", str(port), "--warmup",
+                          "--max-batch", "1", "--compile-cache", str(tmp_path / "cc"), "--log-level", "warning"],
+                         stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        ready = None
+        for _ in range(1200):
+            assert p.poll() is None, open(tmp_path / "serve.log").read()
+            try:
+                ready = httpx.get(f"{url}/health", timeout=5)
+                if ready.status_code == 200:
+                    break
+                assert ready.json() == {"status": "warming up"}
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert ready is not None and ready.json() == {"status": "ok"}
+        assert "dinfer_ready 1" in httpx.get(f"{url}/metrics", timeout=10).text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "add 123+045="}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "0168"
+        stats = httpx.get(f"{url}/stats", timeout=10).json()
+        assert stats["warmup_programs"] >= 1 and stats["warmup_error"] is None, stats
+        assert os.listdir(tmp_path / "cc")  # the warmed programs went to the on-disk compile cache
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_continuous_scheduler_drops_cancelled_jobs_and_reports_seed(served):
+    """The continuous scheduler (default) never starts a cancelled queued job; answers carry the seed."""
+    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.server import Job, ServerConfig
+    _, model, tok, *_ = served
+    b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="tiny", max_batch=4), segment=8)
+    spec = PARAMS.spec(model.config.mask_token_id, model.config.eos_id)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(tok.encode(p), PARAMS, 16, loop, loop.create_future(), spec) for p in ("the cat", "a dog")]
+        jobs[0].cancelled = True
+        b.submit_all(jobs)
+        ok = await asyncio.wait_for(jobs[1].future, 300)
+        await _until(jobs[0].future.done, "the drop")
+        return jobs[0].future, ok
+
+    dropped, ok = asyncio.run(go())
+    assert dropped.cancelled()  # nobody waits for a cancelled job: its future is cancelled, not failed
+    assert ok["token_ids"] == _direct(model, tok.encode("a dog")) and ok["seed"] == PARAMS.seed
+    s = b.snapshot()
+    assert s["cancelled"] == 1 and s["admitted"] == 1 and s["generated_tokens"] == len(ok["token_ids"])
+    b.close()

@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.cache import empty_cache, window_slice, window_write
-from dinfer_jax.decoding.strategies import rank_desc
+from dinfer_jax.decoding.strategies import forbid_eos, rank_desc
 
 
 def sample_tokens(logits_BSV, knobs, keys_B):
@@ -309,6 +309,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             in_gen = blk_idx >= gen_start
             masked0 = x_blk == M
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+            logits = forbid_eos(logits, blk_idx - gen_start, spec.eos_id, knobs)  # ignore_eos / min_tokens
             n_B = None
             if spec.steps_per_block:
                 n_B = jnp.maximum(knobs["num_to_transfer"].astype(jnp.int32),

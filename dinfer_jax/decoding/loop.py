@@ -111,7 +111,7 @@ class DecodeSpec:
 
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
-         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p")
+         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens")
 
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
@@ -275,6 +275,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             if spec.smoothing:
                 tau = jnp.maximum(1.0 - 0.02 * s["it"].astype(jnp.float32), tau)
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+            logits = st.forbid_eos(logits, start_B[:, None] + jnp.arange(Bk)[None, :] - gen_start, spec.eos_id, knobs)
             cand, transfer, credit = st.decide(spec.strategy, logits, x_blk, M, knobs, keys_B=keys,
                                                step_B=s["stp"], quota_B=quota, tau_B=tau,
                                                credit_BSV=s.get("credit"))

@@ -108,6 +108,16 @@ def credit_update(credit_BSV, logits_BSV, masked_BS, first_B, gamma_B, beta_B):
     return credit + jax.nn.one_hot(top, p.shape[-1], dtype=jnp.float32) * bonus[..., None]
 
 
+def forbid_eos(logits_BSV, gen_pos_BS, eos_id: int, knobs):
+    """EOS logit -> -inf (before sampling and confidence, as the peers' logits_eos_inf) where the
+    row has ignore_eos, or the position's index in the generation region is < its min_tokens.
+    gen_pos_BS: generated-position index of each block position (negative inside the prompt)."""
+    if eos_id < 0:
+        return logits_BSV
+    forbid = (knobs["ignore_eos"][:, None] > 0) | (gen_pos_BS < knobs["min_tokens"][:, None])
+    return logits_BSV.at[..., eos_id].set(jnp.where(forbid, NEG_INF, logits_BSV[..., eos_id]))
+
+
 def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, step_B, quota_B, tau_B,
            credit_BSV=None):
     """One strategy step on one block per row -> (cand_BS, transfer_BS, new_credit_BSV | None).
