@@ -498,12 +498,13 @@ def cmd_serve(a):
                        default_max_tokens=a.default_max_tokens or d.get("gen_length", 128), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000,
                        max_steps=a.max_steps, max_post_steps=a.max_post_steps_limit,
-                       request_timeout_s=a.request_timeout or None, warmup=a.warmup)
+                       request_timeout_s=a.request_timeout or None, warmup=a.warmup, scheduler=a.scheduler,
+                       segment=a.segment)
     if cfg.default_max_tokens > cfg.max_tokens:
         raise ValueError(f"--default-max-tokens {cfg.default_max_tokens} exceeds --max-tokens {cfg.max_tokens}")
     compile_cache.enable(a.compile_cache)  # before the first compile (load_model places params)
     model = _load_model(a, model_dir)
-    print(f"serving {name!r} on http://{a.host}:{a.port}/v1 (max batch {a.max_batch}"
+    print(f"serving {name!r} on http://{a.host}:{a.port}/v1 (max batch {a.max_batch}, {a.scheduler} scheduler"
           f"{'; compiling the default settings first (--warmup)' if a.warmup else ''})", file=sys.stderr, flush=True)
     serve(model_dir, a.host, a.port, cfg, model=model, log_level=a.log_level)
 
@@ -626,7 +627,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "32 tokens, streaming and not) before admitting traffic; /health is 503 until then")
     sv.add_argument("--default-max-tokens", type=_positive, default=None,
                     help="max_tokens when a request omits it (default: the folder's gen_length, else 128)")
-    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="wait for more requests before a batch")
+    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="static scheduler: wait for more requests "
+                    "before a batch")
+    sv.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
+                    help="continuous: finished rows leave and waiting requests join between loop segments "
+                         "(default); static: each batch runs to its end")
+    sv.add_argument("--segment", type=_positive, default=8,
+                    help="continuous scheduler: loop iterations per segment at most (a segment also ends when a "
+                         "row finishes)")
     _add_decoding_flags(sv, with_lengths=False)
     sv.add_argument("--block-length", type=_positive, default=None, help="default block length (requests may override)")
     _add_compile_cache_flag(sv)

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from dinfer_jax.server import Batcher
+from dinfer_jax.server import Batcher, Cancelled
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
 MIN_BATCH = 4  # smallest batch a new program gets (fewer distinct compiled sizes: 4, 8, ..., max_batch)
@@ -119,6 +119,17 @@ class ContinuousBatcher(Batcher):
                 self.stats["running_rows"] = sum(rb.running for rb in self.batches)
 
     def _segment(self, rb):
+        gone = [b for b, j in enumerate(rb.slots) if j is not None and j.cancelled]
+        if gone:  # client gone / deadline passed mid-decode: the row leaves now, its slot is free
+            jobs = [rb.slots[b] for b in gone]
+            rb.evict(gone)
+            with self.cond:
+                self.stats["cancelled"] += len(jobs)
+                self.stats["evicted"] = self.stats.get("evicted", 0) + len(jobs)
+            for j in jobs:
+                self._finish(j, exc=Cancelled("the request was cancelled or its deadline passed while decoding"))
+            if not rb.running:
+                return
         t = time.perf_counter()
         finished = rb.step(self.segment)
         with self.cond:  # "batches": programs started; "batch_sizes": rows decoding per segment

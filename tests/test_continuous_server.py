@@ -3,6 +3,8 @@ small, bounded scale) side by side with the static batcher: every request comple
 stops by itself, and the continuous scheduler really swaps rows between segments."""
 import time
 
+import numpy as np
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -21,3 +23,45 @@ def test_serve_load_small_and_bounded():
         assert r["tokens_per_s"] > 0 and 0 < r["ttfb_p50"] <= r["e2e_p99"]
     cont = out["runs"]["continuous"]["server_stats"]
     assert cont["segments"] >= cont["admitted"] > 0 and cont["completed"] >= out["runs"]["continuous"]["sent"]
+
+
+def test_a_row_cancelled_mid_decode_is_evicted_and_its_slot_reused():
+    """A request whose client leaves (or whose deadline passes) while its row decodes is evicted at
+    the next segment boundary: its future is cancelled, the slot takes the next job, and that job's
+    answer equals the engine's."""
+    import asyncio
+
+    from demo_helpers import demo as load
+
+    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.server import Job, ServerConfig
+    model, tok = load()
+    long = SamplingParams(gen_length=128, block_length=8, strategy="fixed", steps=128, cache="dual", early_stop=False)
+    b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="demo", max_batch=4), segment=1)
+    key = long.spec(model.config.mask_token_id, model.config.eos_id)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        slow = Job(tok.encode("sort 5391="), long, 128, loop, loop.create_future(), key)
+        b.submit_all([slow])
+        for _ in range(3000):
+            if b.snapshot()["segments"] >= 2:
+                break
+            await asyncio.sleep(0.01)
+        slow.cancelled = True
+        for _ in range(3000):
+            if slow.future.done():
+                break
+            await asyncio.sleep(0.01)
+        nxt = Job(tok.encode("next abcdefgh="), long, 128, loop, loop.create_future(), key)
+        b.submit_all([nxt])
+        return slow.future, await asyncio.wait_for(nxt.future, 600)
+
+    slow, ok = asyncio.run(go())
+    s = b.snapshot()
+    b.close()
+    assert slow.cancelled() and s["evicted"] == 1 and s["cancelled"] == 1
+    want = model.generator.generate([np.asarray(tok.encode("next abcdefgh="), np.int32)], long).raw_ids[0]
+    want = want.tolist()
+    assert ok["token_ids"] == want[:want.index(model.config.eos_id) if model.config.eos_id in want else len(want)]
