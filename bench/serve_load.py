@@ -136,13 +136,15 @@ def run(rate=40.0, duration=20.0, drain=60.0, mix=(16, 32, 64), schedulers=("sta
     from dinfer_jax import load_model
     from dinfer_jax import tasks as T
     from dinfer_jax.checkpoint import DEMO_MODEL_DIR
+    from dinfer_jax.engine import SamplingParams
     from dinfer_jax.server import ServerConfig
     from dinfer_jax.tokenizer import load_tokenizer
     model, tok = load_model(DEMO_MODEL_DIR), load_tokenizer(DEMO_MODEL_DIR)
     prompts = [p["prompt"] for p in T.sample(256, seed=seed)]
     out = {"rate": rate, "duration": duration, "max_tokens_mix": list(mix), "max_batch": max_batch, "runs": {}}
     for sched in schedulers:
-        kw = dict(model_name="demo", max_batch=max_batch, max_queue=100000, scheduler=sched)
+        kw = dict(model_name="demo", max_batch=max_batch, max_queue=100000, scheduler=sched,
+                  default_params=SamplingParams(block_length=16))  # the demo model's block (as `serve` picks)
         if segment:
             kw["segment"] = segment
         with InProcessServer(model, tok, ServerConfig(**kw)) as srv:
