@@ -22,11 +22,8 @@ PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2], [60, 61
 def model():
     # A random model is peaky enough at std 0.1 for threshold decoding to commit several tokens a step.
     cfg = CFG
-    rng = np.random.default_rng(11)
-    shapes = jax.eval_shape(lambda: init_params(cfg, seed=11))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray((1.0 + 0.1 * rng.standard_normal(a.shape)) if "norm" in jax.tree_util.keystr(path)
-                                    else 0.15 * rng.standard_normal(a.shape), a.dtype), shapes)
+    from demo_helpers import peaky_random_params
+    params = peaky_random_params(cfg, seed=11)
     return Model(cfg, params)
 
 

@@ -1,6 +1,7 @@
 """The continuous scheduler behind the server, under an open-loop load (bench/serve_load.py at a
-small, bounded scale) side by side with the static batcher: every request completes, the run
-stops by itself, and the continuous scheduler really swaps rows between segments."""
+small, bounded scale) side by side with the static batcher: every request completes and the run
+stops by itself (row swapping itself is checked token for token in tests/test_segments.py); and a
+row cancelled mid-decode is evicted."""
 import time
 
 import numpy as np
@@ -22,7 +23,9 @@ def test_serve_load_small_and_bounded():
         assert r["sent"] >= 4 and r["completed"] == r["sent"] and r["unfinished"] == 0, (name, r)
         assert r["tokens_per_s"] > 0 and 0 < r["ttfb_p50"] <= r["e2e_p99"]
     cont = out["runs"]["continuous"]["server_stats"]
-    assert cont["segments"] >= cont["admitted"] > 0 and cont["completed"] >= out["runs"]["continuous"]["sent"]
+    sent = out["runs"]["continuous"]["sent"]  # + the warmup requests
+    assert cont["admitted"] >= sent and cont["completed"] >= sent and cont["segments"] >= 1
+    assert cont["batch_sizes"] and cont["failed"] == 0
 
 
 def test_a_row_cancelled_mid_decode_is_evicted_and_its_slot_reused():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,7 +11,6 @@ from dinfer_jax.checkpoint import DEMO_MODEL_DIR
 from dinfer_jax.config import preset
 from dinfer_jax.engine import SamplingParams
 from dinfer_jax.model import Model
-from dinfer_jax.models import init_params
 
 pytestmark = pytest.mark.smoke  # no torch; also runs on the newest jax
 
@@ -43,11 +40,8 @@ def test_full_diffusion_demo_model():
 def test_block_diffusion():
     """cache='block' on a random block-causal model whose EOS is set to the token it writes most."""
     cfg = preset("tiny-llada2")
-    rng = np.random.default_rng(11)
-    shapes = jax.eval_shape(lambda: init_params(cfg, seed=11))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray((1.0 + 0.1 * rng.standard_normal(a.shape)) if "norm" in jax.tree_util.keystr(path)
-                                    else 0.15 * rng.standard_normal(a.shape), a.dtype), shapes)
+    from demo_helpers import peaky_random_params
+    params = peaky_random_params(cfg, seed=11)
     base = SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.3)
     prompts = [np.asarray(p, np.int32) for p in ([5, 17, 3, 99, 42], [5, 17, 3, 99, 42], [5, 17, 3, 99, 42])]
     probe = Model(cfg.replace(eos_token_id=None), params).generator.generate(prompts[:1], base)

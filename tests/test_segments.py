@@ -19,13 +19,9 @@ def demo():
 def tiny_llada2():
     from dinfer_jax.config import preset
     from dinfer_jax.model import Model
-    from dinfer_jax.models import init_params
     cfg = preset("tiny-llada2")
-    rng = np.random.default_rng(11)
-    shapes = jax.eval_shape(lambda: init_params(cfg, seed=11))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray((1.0 + 0.1 * rng.standard_normal(a.shape)) if "norm" in jax.tree_util.keystr(path)
-                                    else 0.15 * rng.standard_normal(a.shape), a.dtype), shapes)
+    from demo_helpers import peaky_random_params
+    params = peaky_random_params(cfg, seed=11)
     return Model(cfg, params)
 
 
