@@ -419,20 +419,26 @@ class Generator:
                           RuntimeWarning, stacklevel=2)
         raw = canvas[:n, gen_start:gen_start + spec.gen_length]
         cfg = self.model.config
-        stops = cfg.stop_ids
         out, tpf = [], []
         for b in range(n):
-            toks = raw[b].tolist()
-            cut = len(toks) if per_row[b].ignore_eos else next((i for i, t_ in enumerate(toks) if t_ in stops), len(toks))
-            out.append(toks[:cut])
-            real = int(np.sum((raw[b] != cfg.eos_id) & (raw[b] != cfg.mask_token_id)))
-            tpf.append(real / max(1, int(stats["row_nfe"][b])))
+            ids, t = row_output(raw[b], int(stats["row_nfe"][b]), cfg, per_row[b].ignore_eos)
+            out.append(ids)
+            tpf.append(t)
         edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
         ins, dels = ([[int(v) for v in stats[k][:n]] for k in ("inserts", "deletes")] if "inserts" in stats
                      else (None, None))
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
                                 edits, ins, dels)
+
+
+def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:
+    """One row's generation region -> (ids cut before the first stop id unless ignore_eos, tokens
+    per forward: its non-EOS, non-mask tokens / nfe)."""
+    toks = raw_G.tolist()
+    cut = len(toks) if ignore_eos else next((i for i, t in enumerate(toks) if t in cfg.stop_ids), len(toks))
+    real = int(np.sum((raw_G != cfg.eos_id) & (raw_G != cfg.mask_token_id)))
+    return toks[:cut], real / max(1, nfe)
 
 
 def generate(model, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -20,6 +20,12 @@ def _softmax64(l):
 _FWD = {}
 
 
+def _cut(x, P: int, G: int, E: int) -> list:
+    """The generated tokens x[P:P+G], cut after the first EOS (inclusive)."""
+    gen = x[P:P + G]
+    return gen[:gen.index(E) + 1] if E in gen else gen
+
+
 def _forward(model, block: int):
     """jit of the full block-causal forward (one per model and block size; jit only batches the ops)."""
     key = (id(model), block)
@@ -74,10 +80,7 @@ def reference_block_generate(model, prompt, p):
                 break
         if p.early_stop and E in x[P:e]:
             break
-    gen = x[P:P + G]
-    if E in gen:
-        gen = gen[:gen.index(E) + 1]
-    return gen, nfe, edits
+    return _cut(x, P, G, E), nfe, edits
 
 
 def reference_indel_generate(model, prompt, p, delete_id: int, split_id: int):
@@ -181,7 +184,4 @@ def reference_indel_generate(model, prompt, p, delete_id: int, split_id: int):
                 break
         if p.early_stop and E in x[P:e]:
             break
-    gen = x[P:P + G]
-    if E in gen:
-        gen = gen[:gen.index(E) + 1]
-    return gen, nfe, cnt
+    return _cut(x, P, G, E), nfe, cnt

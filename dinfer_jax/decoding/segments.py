@@ -183,7 +183,7 @@ class RunningBatch:
                 to_host(s["done"]))
 
     def _read(self, rows: list[int]) -> list[RowResult]:
-        from dinfer_jax.engine import to_host
+        from dinfer_jax.engine import row_output, to_host
         spec, cfg = self.spec, self.cfg
         s = self.state
         canvas, it = to_host(s["x"]), to_host(s["it"])
@@ -191,11 +191,9 @@ class RunningBatch:
         out = []
         for b in rows:
             raw = canvas[b, self.gen_start:self.gen_start + spec.gen_length]
-            toks = raw.tolist()
-            cut = next((i for i, t in enumerate(toks) if t in cfg.stop_ids), len(toks))
             nfe = int(stats["row_nfe"][b])
-            real = int(np.sum((raw != cfg.eos_id) & (raw != cfg.mask_token_id)))
-            out.append(RowResult(self.slots[b], toks[:cut], raw, nfe, real / max(1, nfe),
+            ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs["ignore_eos"][b]))
+            out.append(RowResult(self.slots[b], ids, raw, nfe, tpf,
                                  stats["steps_per_block"][b], int(stats["edits"][b]) if "edits" in stats else None,
                                  bool(int(it[b]) >= spec.max_iterations and (raw == cfg.mask_token_id).any())))
             self.slots[b] = None
