@@ -109,7 +109,7 @@ def _nonneg_float(text):
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not v >= 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return v
@@ -499,7 +499,7 @@ def cmd_serve(a):
                        max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000,
                        max_steps=a.max_steps, max_post_steps=a.max_post_steps_limit,
                        request_timeout_s=a.request_timeout or None, warmup=a.warmup, scheduler=a.scheduler,
-                       segment=a.segment)
+                       segment=a.segment, prefix_cache_mb=a.prefix_cache_mb)
     if cfg.default_max_tokens > cfg.max_tokens:
         raise ValueError(f"--default-max-tokens {cfg.default_max_tokens} exceeds --max-tokens {cfg.max_tokens}")
     compile_cache.enable(a.compile_cache)  # before the first compile (load_model places params)
@@ -635,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--segment", type=_positive, default=8,
                     help="continuous scheduler: loop iterations per segment at most (a segment also ends when a "
                          "row finishes)")
+    sv.add_argument("--prefix-cache-mb", type=_nonneg_float, default=256.0,
+                    help="continuous scheduler, block-causal models (LLaDA2.x, SDAR): MiB of device memory for the "
+                         "K/V of prompt blocks shared between requests, least recently used out first (0: off)")
     _add_decoding_flags(sv, with_lengths=False)
     sv.add_argument("--block-length", type=_positive, default=None, help="default block length (requests may override)")
     _add_compile_cache_flag(sv)

@@ -38,7 +38,10 @@ class ContinuousBatcher(Batcher):
     """Continuous batching over RunningBatches (module doc). One scheduler thread."""
 
     def __init__(self, generator, tokenizer, cfg, segment: int = DEFAULT_SEGMENT, max_programs: int = 4):
+        from dinfer_jax.decoding.prefix_cache import PrefixCache
         self.segment, self.max_programs = segment, max_programs
+        block_causal = generator.model.config.attention_mask == "block_causal"  # the only exact reuse
+        generator.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 2 ** 20) if block_causal else 0)
         self.batches: list = []
         super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
         with self.cond:

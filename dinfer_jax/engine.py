@@ -278,10 +278,14 @@ def _bucket_len(n: int) -> int:
 class Generator:
     """Compiled-program cache for one model. `compiles` counts traces (tests assert no recompiles)."""
 
-    def __init__(self, model):
+    def __init__(self, model, prefix_cache_bytes: int = 0):
+        """prefix_cache_bytes > 0: a prompt prefix cache of that many bytes for block-causal models'
+        continuous batches (decoding/prefix_cache.py; the server sets it)."""
+        from dinfer_jax.decoding.prefix_cache import PrefixCache
         self.model = model
         self.compiles = 0
         self._programs = {}
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
     def _program(self, spec: DecodeSpec, gen_start: int):
         key = (spec, gen_start)
@@ -312,7 +316,8 @@ class Generator:
                     return fn(*a)
                 return run
             self._programs[key] = (jax.jit(counted(init)), jax.jit(counted(segment), donate_argnums=(1,)),
-                                   jax.jit(merge_rows, donate_argnums=(0,)))
+                                   jax.jit(merge_rows, donate_argnums=(0,)),
+                                   jax.jit(counted(init), static_argnums=(7,)))  # init over cached prompt K/V
         return self._programs[key]
 
     def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int):

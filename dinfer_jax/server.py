@@ -134,6 +134,7 @@ class ServerConfig:
     max_post_steps: int = 64  # largest `max_post_steps` (block diffusion with editing)
     request_timeout_s: Optional[float] = 600.0  # None: no deadline
     warmup: bool = False  # compile the default settings' batch buckets before admitting traffic
+    prefix_cache_mb: float = 256.0  # continuous scheduler, block-causal models: prompt-block K/V cache (0: off)
 
 
 @dataclasses.dataclass
@@ -254,6 +255,9 @@ class Batcher:
                 self._recent.popleft()
             window = max(1e-9, min(60.0, now - self._t0))
             s["tokens_per_second"] = sum(n for _, n in self._recent) / window
+        pc = getattr(self.gen, "prefix_cache", None)
+        if pc is not None and pc.enabled:
+            s["prefix_cache"] = pc.snapshot()
         return s
 
     def metrics_text(self) -> str:
@@ -281,6 +285,17 @@ class Batcher:
              cc["misses"]),
             ("dinfer_compile_seconds_total", "counter", "seconds spent in XLA backend compiles", cc["compile_seconds"]),
         ]
+        pc = s.get("prefix_cache")
+        if pc is not None:
+            rows += [
+                ("dinfer_prefix_cache_hit_rate", "gauge", "cached prompt blocks / full prompt blocks looked up",
+                 pc["hit_rate"]),
+                ("dinfer_prefix_cache_blocks_hit_total", "counter", "prompt blocks whose K/V came from the cache",
+                 pc["blocks_hit"]),
+                ("dinfer_prefix_cache_bytes", "gauge", "bytes of cached prompt K/V", pc["bytes"]),
+                ("dinfer_prefix_cache_evictions_total", "counter", "blocks evicted (least recently used)",
+                 pc["evictions"]),
+            ]
         out = []
         for name, kind, help_, v in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(v):g}"]

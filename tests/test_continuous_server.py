@@ -68,3 +68,40 @@ def test_a_row_cancelled_mid_decode_is_evicted_and_its_slot_reused():
     want = model.generator.generate([np.asarray(tok.encode("next abcdefgh="), np.int32)], long).raw_ids[0]
     want = want.tolist()
     assert ok["token_ids"] == want[:want.index(model.config.eos_id) if model.config.eos_id in want else len(want)]
+
+
+def test_prefix_cache_hits_show_in_stats_and_metrics():
+    """Block-causal demo model behind the continuous scheduler: a second prompt sharing the first's
+    leading blocks reuses their K/V (hit rate in /stats and /metrics) and answers as the engine does."""
+    import asyncio
+
+    from dinfer_jax import load_model
+    from dinfer_jax.checkpoint import DEMO_BLOCK_MODEL_DIR
+    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.tokenizer import load_tokenizer
+    model, tok = load_model(DEMO_BLOCK_MODEL_DIR), load_tokenizer(DEMO_BLOCK_MODEL_DIR)
+    sp = SamplingParams(gen_length=16, block_length=4, cache="block", threshold=0.7)
+    b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="demo-block", max_batch=4))
+    key = sp.spec(model.config.mask_token_id, model.config.eos_id)
+    texts = ["sort 53917428=", "sort 53917420="]  # 3 shared full blocks of 4
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        out = []
+        for t in texts:
+            j = Job(tok.encode(t), sp, 16, loop, loop.create_future(), key)
+            b.submit_all([j])
+            out.append(await asyncio.wait_for(j.future, 600))
+        return out
+
+    got = asyncio.run(go())
+    s, m = b.snapshot(), b.metrics_text()
+    b.close()
+    pc = s["prefix_cache"]
+    assert pc["blocks_hit"] >= 3 and 0 < pc["hit_rate"] < 1 and pc["bytes"] > 0, pc
+    assert "dinfer_prefix_cache_hit_rate" in m
+    for t, r in zip(texts, got):
+        want = model.generator.generate([np.asarray(tok.encode(t), np.int32)], sp).token_ids[0]
+        assert r["token_ids"] == want, t

@@ -251,15 +251,29 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         edit_ids = (ids["delete_token_id"], ids["split_token_id"])
         H = Bk + spec.max_post_steps + 1  # update steps a block can take
 
-    def init(canvas_BL, active_B):
+    def init(canvas_BL, active_B, prefix=None):
+        """-> the loop state after the prefill. prefix = ((k, v) each (layers, B, gen_start, K, H), W):
+        cached prompt K/V (decoding/prefix_cache.py), valid for every row before gen_start - W; only
+        the last W prompt positions are then computed (a window forward over that cache)."""
         tail = (idx_L[None, :] >= gen_end) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
         x0 = jnp.where(tail, M, canvas_BL)
-        with jax.named_scope("prefill"):
-            _, kv_pre = module.apply({"params": params}, tokens_BS=x0[:, :gen_start],
-                                     positions_BS=positions_BL[:, :gen_start], key_mask_BL=key_mask_BL[:, :gen_start],
-                                     logits_window=(jnp.zeros((B,), jnp.int32), 1))
         kv = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
-        kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, kv_pre))
+        with jax.named_scope("prefill"):
+            if prefix is None:
+                _, kv_pre = module.apply({"params": params}, tokens_BS=x0[:, :gen_start],
+                                         positions_BS=positions_BL[:, :gen_start],
+                                         key_mask_BL=key_mask_BL[:, :gen_start],
+                                         logits_window=(jnp.zeros((B,), jnp.int32), 1))
+                kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, kv_pre))
+            else:
+                cached, width = prefix
+                ws = gen_start - width
+                kv = tuple(c.at[:, :, :gen_start].set(p.astype(c.dtype)) for c, p in zip(kv, cached))
+                _, kv = module.apply({"params": params}, tokens_BS=x0[:, ws:gen_start],
+                                     positions_BS=positions_BL[:, ws:gen_start],
+                                     key_mask_BL=key_mask_BL & (idx_L < gen_start)[None, :], kv=kv,
+                                     window_start=jnp.full((B,), ws, jnp.int32), key_positions_BL=positions_BL,
+                                     logits_window=(jnp.zeros((B,), jnp.int32), 1))
         state = dict(
             x=x0, kv=kv, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
             post=jnp.zeros((B,), jnp.int32), it=jnp.zeros((B,), jnp.int32), done=~active_B,

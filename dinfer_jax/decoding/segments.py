@@ -47,12 +47,16 @@ def merge_rows(state: dict, fresh: dict, take_B) -> dict:
 
 
 def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int):
-    """-> (init(params, canvas, pad, plen, active, knobs) -> state,
-           segment(params, state, pad, plen, knobs, max_iters) -> state) as plain functions (jit them)."""
+    """-> (init(params, canvas, pad, plen, active, knobs[, cached_kv, width]) -> state,
+           segment(params, state, pad, plen, knobs, max_iters) -> state) as plain functions (jit them;
+    `width` static). With cached_kv (block diffusion only), the prefill computes only the last
+    `width` prompt positions over the cached prompt K/V (decoding/prefix_cache.py)."""
 
-    def init(params, canvas_BL, pad_B, plen_B, active_B, knobs):
+    def init(params, canvas_BL, pad_B, plen_B, active_B, knobs, cached_kv=None, width=None):
         fn, _, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs)
-        return fn(canvas_BL, active_B)
+        if cached_kv is None:
+            return fn(canvas_BL, active_B)
+        return fn(canvas_BL, active_B, prefix=(cached_kv, width))
 
     def segment(params, state, pad_B, plen_B, knobs, max_iters):
         _, body, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs)
@@ -104,7 +108,10 @@ class RunningBatch:
         self.plen = np.zeros((batch,), np.int32)
         self.knobs = {k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32) for k in KNOBS}
         self.knobs["threshold"][:] = 1.0
-        self._init, self._segment, self._merge = generator.segment_programs(spec, gen_start, batch)
+        self._init, self._segment, self._merge, self._init_prefix = generator.segment_programs(spec, gen_start, batch)
+        pc = getattr(generator, "prefix_cache", None)
+        self.prefix_cache = pc if pc is not None and pc.enabled and spec.cache == "block" else None
+        self._keys: dict[int, list] = {}
         self.state = None
         self.segments = 0
 
@@ -147,9 +154,63 @@ class RunningBatch:
             used.append(b)
         put = self.gen.model.place_batch
         args = (put(self.pad), put(self.plen), {k: put(v) for k, v in self.knobs.items()})
-        fresh = self._init(self.gen.model.params, put(canvas), args[0], args[1], put(take), args[2])
+        pc = self.prefix_cache
+        hits = self._lookup(items, used) if pc is not None else None
+        if hits is not None and hits[1] < self.gen_start:  # prefill only the uncached prompt tails
+            cached, width = hits
+            fresh = self._init_prefix(self.gen.model.params, put(canvas), args[0], args[1], put(take), args[2],
+                                      cached, width)
+        else:
+            width = self.gen_start
+            fresh = self._init(self.gen.model.params, put(canvas), args[0], args[1], put(take), args[2])
+        if pc is not None:
+            self._store(items, used, fresh["kv"], width)
         self.state = fresh if self.state is None else self._merge(self.state, fresh, put(take))
         return used
+
+    # ---- prompt prefix cache (block-causal models; decoding/prefix_cache.py)
+
+    def _lookup(self, items, slots):
+        """Cached prompt blocks of the admitted rows -> (cached K/V on the canvas, prefill width W) or
+        None when nothing is cached. W (a multiple of the block, power-of-two blocks, at most
+        gen_start) covers every row's uncached prompt tail."""
+        from dinfer_jax.decoding.prefix_cache import chain_keys, place_blocks
+        Bk = self.spec.block_length
+        need, blocks, rows, starts = Bk, [], [], []
+        self._keys = {}
+        for (tag, ids, sp), b in zip(items, slots):
+            keys = chain_keys(ids, Bk)
+            self._keys[b] = keys
+            got = self.prefix_cache.lookup(keys)
+            for k, kv in enumerate(got):
+                blocks.append(kv)
+                rows.append(b)
+                starts.append(int(self.pad[b]) + k * Bk)
+            need = max(need, len(ids) - len(got) * Bk)
+        width = Bk
+        while width < need:
+            width *= 2
+        width = min(width, self.gen_start)
+        self.prefix_cache.count_prefill(width * len(items), self.gen_start * len(items))
+        if not blocks or width >= self.gen_start:
+            return None
+        return place_blocks(blocks, rows, starts, self.B, self.gen_start), width
+
+    def _store(self, items, slots, kv, width):
+        """Insert the admitted rows' full prompt blocks that the prefill just computed."""
+        from dinfer_jax.decoding.prefix_cache import gather_blocks
+        Bk = self.spec.block_length
+        new_keys, rows, starts = [], [], []
+        for (tag, ids, sp), b in zip(items, slots):
+            for k, key in enumerate(self._keys.get(b, [])):
+                start = int(self.pad[b]) + k * Bk
+                if start >= self.gen_start - width:  # computed by this prefill (earlier ones came from the cache)
+                    new_keys.append(key)
+                    rows.append(b)
+                    starts.append(start)
+        if new_keys:
+            for key, (k, v) in zip(new_keys, gather_blocks(kv, rows, starts, Bk)):
+                self.prefix_cache.insert(key, k, v)
 
     def step(self, max_iters: int) -> list[RowResult]:
         """Run one segment (at most max_iters iterations; it ends early when a row finishes) and
