@@ -14,12 +14,19 @@ compiled programs stay cached). Rows of one batch share the compiled settings; p
 (threshold, temperature, seed, ...) differ freely. A job that fits no running batch waits for one
 to drain (FIFO among equals; other jobs may pass it).
 
+Compilation never stalls the running rows: a new program (spec, prompt bucket, batch size) not yet
+compiled is compiled on a separate thread (`Generator.warm_segment_programs`, a throwaway batch);
+its jobs wait beside it while the other batches keep stepping, and are admitted once it is ready.
+The prefix cache's shorter prefills (one program per width) are compiled the same way; until one
+is ready, admissions prefill in full.
+
 Streaming jobs get each finished block at the segment boundary after it is decoded (one extra
 device-to-host read of the running canvas per segment, only while a streaming row runs).
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
 
 import numpy as np
@@ -43,10 +50,41 @@ class ContinuousBatcher(Batcher):
         block_causal = generator.model.config.attention_mask == "block_causal"  # the only exact reuse
         generator.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 2 ** 20) if block_causal else 0)
         self.batches: list = []
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dinfer-compile")
+        self._compiling: dict = {}  # program key -> Future (background compiles)
         super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
         with self.cond:
-            for k in ("segments", "admitted", "running_rows"):
+            for k in ("segments", "admitted", "running_rows", "background_compiles", "waiting_for_compile"):
                 self.stats.setdefault(k, 0)
+
+    # ---- background compilation (the compile thread)
+
+    def _compile_async(self, spec, gen_start, batch, width=None):
+        """Future of compiling a batch's programs (width: a prefix prefill variant) off the scheduler
+        thread; one per key. Completion wakes the scheduler."""
+        key = (spec, gen_start, batch, width)
+        with self.cond:
+            fut = self._compiling.get(key)
+            if fut is None:
+                widths = () if width is None else (width,)
+                fut = self._compiler.submit(self.gen.warm_segment_programs, spec, gen_start, batch, widths)
+                self._compiling[key] = fut
+                self.stats["background_compiles"] += 1
+
+                def wake(_):
+                    with self.cond:
+                        self.cond.notify_all()
+                fut.add_done_callback(wake)
+        return fut
+
+    def _new_batch(self, params, size, max_prompt_len):
+        rb = self.gen.running_batch(params, size, max_prompt_len)
+        rb.background = self._compile_async
+        rb.waiting = []  # jobs assigned to this batch while its programs compile
+        rb.compiling = None
+        if not self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
+            rb.compiling = self._compile_async(rb.spec, rb.gen_start, rb.B)
+        return rb
 
     # ---- --warmup (server.Batcher._main calls these before the first job)
 
@@ -61,6 +99,7 @@ class ContinuousBatcher(Batcher):
     def _warmup_batch(self, p, size, ids) -> int:
         """Compile a RunningBatch of `size` slots: fill it, run its segments until every row is done."""
         rb = self.gen.running_batch(p, size, len(ids))
+        self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)  # what a new batch of this kind checks
         rb.admit([(object(), ids, p) for _ in range(size)])
         while rb.running:
             rb.step(self.segment)
@@ -72,7 +111,7 @@ class ContinuousBatcher(Batcher):
         """Under the lock: pop the pending jobs that can start now -> [(RunningBatch, [jobs])]."""
         self._drop(self._purge_locked())  # cancelled / expired jobs never start (server.Batcher)
         plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
-        free = {id(rb): len(rb.free) for rb in self.batches}
+        free = {id(rb): len(rb.free) - len(rb.waiting) for rb in self.batches}
         rest = collections.deque()
         new_batches = []
         while self.pending:
@@ -82,8 +121,7 @@ class ContinuousBatcher(Batcher):
             if not fits and len(self.batches) + len(new_batches) < self.max_programs:
                 same = [k for k in [j] + list(self.pending) if k.key == j.key]
                 size = min(self.cfg.max_batch, max(_pow2(len(same)), MIN_BATCH))
-                rb = self.gen.running_batch(j.params, size,
-                                            max(len(k.prompt_ids) for k in same))
+                rb = self._new_batch(j.params, size, max(len(k.prompt_ids) for k in same))
                 new_batches.append(rb)
                 free[id(rb)] = rb.B
                 fits = [rb]
@@ -98,28 +136,56 @@ class ContinuousBatcher(Batcher):
         self.stats["batches"] += len(new_batches)
         return list(plan.values())
 
+    def _has_work(self) -> bool:
+        return bool(self.pending) or any(rb.running or (rb.waiting and rb.compiling.done()) for rb in self.batches)
+
     def _run(self):
         while True:
             with self.cond:
-                while not self.pending and not any(rb.running for rb in self.batches) and not self._stop:
+                while not self._has_work() and not self._stop:
                     self.cond.wait()
                 if self._stop:
                     self._cancel_all()
                     return
                 plan = self._pick()
             try:
-                for rb, jobs in plan:
-                    rb.admit([(j, np.asarray(j.prompt_ids, np.int32), j.params) for j in jobs])
-                    with self.cond:
-                        self.stats["admitted"] += len(jobs)
+                for rb, jobs in plan:  # a batch whose programs are still compiling keeps them aside
+                    rb.waiting += jobs
+                for rb in list(self.batches):
+                    self._admit_waiting(rb)
                 for rb in list(self.batches):
                     if rb.running:
                         self._segment(rb)
             except Exception as e:  # a failing program fails its rows; the server stays up
                 self._fail_all(e)
             with self.cond:
-                self.batches = [rb for rb in self.batches if rb.running]
+                self.batches = [rb for rb in self.batches if rb.running or rb.waiting]
                 self.stats["running_rows"] = sum(rb.running for rb in self.batches)
+                self.stats["waiting_for_compile"] = sum(len(rb.waiting) for rb in self.batches)
+
+    def _admit_waiting(self, rb):
+        if not rb.waiting or (rb.compiling is not None and not rb.compiling.done()):
+            return
+        jobs, rb.waiting = rb.waiting, []
+        if rb.compiling is not None and rb.compiling.exception() is not None:
+            exc = rb.compiling.exception()
+            rb.compiling = None
+            with self.cond:  # the next batch of this kind tries again
+                self._compiling.pop((rb.spec, rb.gen_start, rb.B, None), None)
+                self.stats["failed"] += len(jobs)
+            for j in jobs:
+                self._finish(j, exc=exc)
+            return
+        gone = [j for j in jobs if j.cancelled]
+        live = [j for j in jobs if not j.cancelled]
+        if gone:
+            with self.cond:
+                self.stats["cancelled"] += len(gone)
+            self._drop(gone)
+        if live:
+            rb.admit([(j, np.asarray(j.prompt_ids, np.int32), j.params) for j in live])
+            with self.cond:
+                self.stats["admitted"] += len(live)
 
     def _segment(self, rb):
         gone = [b for b, j in enumerate(rb.slots) if j is not None and j.cancelled]
@@ -166,6 +232,9 @@ class ContinuousBatcher(Batcher):
                 if j is not None:
                     self._finish(j, exc=exc)
                     rb.slots[b] = None
+            for j in rb.waiting:
+                self._finish(j, exc=exc)
+            rb.waiting = []
             rb.state = None
         with self.cond:
             self.stats["failed"] += 1
@@ -173,9 +242,10 @@ class ContinuousBatcher(Batcher):
     def _cancel_all(self):
         exc = RuntimeError("the server is shutting down")
         for rb in self.batches:
-            for j in rb.slots:
+            for j in rb.slots + rb.waiting:
                 if j is not None:
                     self._finish(j, exc=exc)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         for j in self.pending:
             self._finish(j, exc=exc)
         self.pending.clear()

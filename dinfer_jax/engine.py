@@ -286,6 +286,7 @@ class Generator:
         self.compiles = 0
         self._programs = {}
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._warm: set = set()  # continuous-batch programs compiled ahead (warm_segment_programs)
 
     def _program(self, spec: DecodeSpec, gen_start: int):
         key = (spec, gen_start)
@@ -319,6 +320,32 @@ class Generator:
                                    jax.jit(merge_rows, donate_argnums=(0,)),
                                    jax.jit(counted(init), static_argnums=(7,)))  # init over cached prompt K/V
         return self._programs[key]
+
+    def segment_programs_ready(self, spec: DecodeSpec, gen_start: int, batch: int, width: int | None = None) -> bool:
+        """Whether `warm_segment_programs` compiled this continuous batch's programs (and the prefix
+        prefill of `width`, when given)."""
+        return ("segments", spec, gen_start, batch, width) in self._warm
+
+    def warm_segment_programs(self, spec: DecodeSpec, gen_start: int, batch: int, widths=()):
+        """Compile a continuous batch's programs by running them on a throwaway batch (one dummy row
+        admitted, one iteration, a second row merged in), and the prefix-cache prefill of each width
+        in `widths`. Safe on a background thread (the server's compile thread)."""
+        from dinfer_jax.decoding.segments import RunningBatch
+        base = ("segments", spec, gen_start, batch, None)
+        cfg = self.model.config
+        tok = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, cfg.eos_token_id))
+        rb = RunningBatch(self, spec, gen_start, batch, use_prefix_cache=False)
+        if base not in self._warm:
+            knobs = SamplingParams()  # knobs only (check=False): the batch's spec is fixed
+            rb.admit([(0, np.full((1,), tok, np.int32), knobs)], check=False)
+            rb.step(1)
+            rb.admit([(1, np.full((1,), tok, np.int32), knobs)], check=False)
+            jax.block_until_ready(rb.state)
+            self._warm.add(base)
+        for w in widths:
+            if ("segments", spec, gen_start, batch, w) not in self._warm:
+                rb.compile_prefix_prefill(w)
+                self._warm.add(("segments", spec, gen_start, batch, w))
 
     def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int):
         """An empty continuous batch (decoding/segments.RunningBatch) of `batch` slots for prompts of

@@ -105,3 +105,69 @@ def test_prefix_cache_hits_show_in_stats_and_metrics():
     for t, r in zip(texts, got):
         want = model.generator.generate([np.asarray(tok.encode(t), np.int32)], sp).token_ids[0]
         assert r["token_ids"] == want, t
+
+
+def test_a_new_programs_compile_never_stalls_running_rows():
+    """A request needing a program not compiled yet waits beside its compile (on the compile
+    thread, held here by a gate) while the running batch keeps stepping; released, it answers as
+    the engine does."""
+    import asyncio
+    import threading
+
+    from demo_helpers import demo as load
+
+    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.server import Job, ServerConfig
+    model, tok = load()
+    gen = model.generator
+    long = SamplingParams(gen_length=128, block_length=8, strategy="fixed", steps=128, cache="dual", early_stop=False)
+    new = SamplingParams(gen_length=24, block_length=8, cache="dual", threshold=0.8)
+    key_long = long.spec(model.config.mask_token_id, model.config.eos_id)
+    key_new = new.spec(model.config.mask_token_id, model.config.eos_id)
+    gate, seen = threading.Event(), []
+    original = gen.warm_segment_programs
+
+    def gated(spec, *a, **k):
+        if spec == key_new:
+            seen.append(spec)
+            assert gate.wait(300)
+        return original(spec, *a, **k)
+    gen.warm_segment_programs = gated
+    b = ContinuousBatcher(gen, tok, ServerConfig(model_name="demo", max_batch=4), segment=1)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        slow = Job(tok.encode("sort 5391="), long, 128, loop, loop.create_future(), key_long)
+        b.submit_all([slow])
+        for _ in range(30000):
+            if b.snapshot()["segments"] >= 2:
+                break
+            await asyncio.sleep(0.01)
+        fresh = Job(tok.encode("copy abc="), new, 24, loop, loop.create_future(), key_new)
+        b.submit_all([fresh])
+        for _ in range(30000):
+            if b.snapshot()["waiting_for_compile"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        before = b.snapshot()["segments"]
+        for _ in range(30000):  # the running row keeps decoding while the new program compiles
+            if b.snapshot()["segments"] >= before + 3 or slow.future.done():
+                break
+            await asyncio.sleep(0.01)
+        progressed = b.snapshot()["segments"] - before
+        assert (progressed >= 3 or slow.future.done()), progressed  # not stalled behind the gated compile
+        assert not fresh.future.done() and seen == [key_new]
+        gate.set()
+        return progressed, await asyncio.wait_for(slow.future, 600), await asyncio.wait_for(fresh.future, 600)
+
+    try:
+        progressed, _, got = asyncio.run(go())
+        s = b.snapshot()
+    finally:
+        gate.set()
+        b.close()
+        del gen.warm_segment_programs
+    assert s["background_compiles"] >= 1 and s["failed"] == 0
+    want = gen.generate([np.asarray(tok.encode("copy abc="), np.int32)], new).token_ids[0]
+    assert got["token_ids"] == want

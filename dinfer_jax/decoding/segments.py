@@ -98,7 +98,7 @@ class RunningBatch:
     """B slots decoding under one DecodeSpec and prompt bucket (module doc). Not thread safe: one
     scheduler thread drives it."""
 
-    def __init__(self, generator, spec: DecodeSpec, gen_start: int, batch: int):
+    def __init__(self, generator, spec: DecodeSpec, gen_start: int, batch: int, use_prefix_cache: bool = True):
         self.gen, self.spec, self.gen_start, self.B = generator, spec, gen_start, batch
         cfg = generator.model.config
         self.cfg = cfg
@@ -110,7 +110,10 @@ class RunningBatch:
         self.knobs["threshold"][:] = 1.0
         self._init, self._segment, self._merge, self._init_prefix = generator.segment_programs(spec, gen_start, batch)
         pc = getattr(generator, "prefix_cache", None)
-        self.prefix_cache = pc if pc is not None and pc.enabled and spec.cache == "block" else None
+        self.prefix_cache = pc if use_prefix_cache and pc is not None and pc.enabled and spec.cache == "block" else None
+        # The server's compile thread: when set, a prefix prefill width not yet compiled is compiled
+        # there (background(spec, gen_start, B, width)) and this admission prefills in full instead.
+        self.background = None
         self._keys: dict[int, list] = {}
         self.state = None
         self.segments = 0
@@ -126,9 +129,10 @@ class RunningBatch:
     def fits(self, prompt_len: int) -> bool:
         return prompt_len + self.spec.head_room <= self.gen_start
 
-    def admit(self, items) -> list[int]:
+    def admit(self, items, check: bool = True) -> list[int]:
         """items: [(tag, prompt ids (1-D int array), SamplingParams)] with the batch's spec, at most
-        len(self.free) of them, each fitting the prompt bucket. -> the slots they took."""
+        len(self.free) of them, each fitting the prompt bucket. -> the slots they took.
+        check=False: the SamplingParams only give knobs (warm-up rows)."""
         free = self.free
         if len(items) > len(free):
             raise ValueError(f"{len(items)} rows for {len(free)} free slots")
@@ -138,7 +142,7 @@ class RunningBatch:
         used = []
         items = [(tag, np.asarray(ids, np.int32), sp) for tag, ids, sp in items]
         for tag, ids, sp in items:  # all checked before any slot changes
-            if sp.spec(cfg.mask_token_id, cfg.eos_id) != spec:
+            if check and sp.spec(cfg.mask_token_id, cfg.eos_id) != spec:
                 raise ValueError("a row's SamplingParams select a different compiled program than this batch's")
             if not self.fits(len(ids)):
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the batch's bucket ({self.gen_start})")
@@ -191,10 +195,25 @@ class RunningBatch:
         while width < need:
             width *= 2
         width = min(width, self.gen_start)
+        if blocks and width < self.gen_start and self.background is not None and \
+                not self.gen.segment_programs_ready(self.spec, self.gen_start, self.B, width):
+            self.background(self.spec, self.gen_start, self.B, width)  # compiled off this thread; full prefill now
+            width = self.gen_start
         self.prefix_cache.count_prefill(width * len(items), self.gen_start * len(items))
         if not blocks or width >= self.gen_start:
             return None
         return place_blocks(blocks, rows, starts, self.B, self.gen_start), width
+
+    def compile_prefix_prefill(self, width: int):
+        """Compile (by running on zeros) the prefill over cached prompt K/V of this `width`."""
+        cfg, put = self.cfg, self.gen.model.place_batch
+        shape = (cfg.num_layers, self.B, self.gen_start, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, self.gen.model.module.dtype)
+        canvas = np.full((self.B, self.Lc), cfg.pad_id, np.int32)
+        out = self._init_prefix(self.gen.model.params, put(canvas), put(self.pad), put(self.plen),
+                                put(np.zeros((self.B,), bool)), {k: put(v) for k, v in self.knobs.items()},
+                                (zeros, zeros), width)
+        jax.block_until_ready(out)
 
     def _store(self, items, slots, kv, width):
         """Insert the admitted rows' full prompt blocks that the prefill just computed."""
