@@ -123,8 +123,6 @@ def export_generate(cfg: ModelConfig, platform: str, *, batch: int = 1, prompt_l
                     model=None) -> ExportReport:
     """Export the Generator's jitted program for `batch` prompts of `prompt_len` tokens with
     SamplingParams `sampling` for `platform` (see module doc). model: reuse an abstract_model."""
-    from jax import export
-
     from dinfer_jax.engine import SamplingParams
     if platform not in EXPORT_PLATFORMS:
         raise ValueError(f"export platform {platform!r} is not one of {EXPORT_PLATFORMS}")
@@ -139,17 +137,59 @@ def export_generate(cfg: ModelConfig, platform: str, *, batch: int = 1, prompt_l
     prompts = [np.full((prompt_len,), token, np.int32)] * batch
     prog, args, *_ = model.generator._prepare(prompts, sampling)
     sds = jax.tree_util.tree_map(lambda x: _abstract(x, model.mesh is not None), args)
+    return _export(prog, sds, platform, model.mesh, sampling, sds[1].shape)
+
+
+def _export(prog, sds, platform: str, mesh, sampling, canvas_shape, static=()) -> ExportReport:
+    """jax.export one jitted program (abstract args `sds`, then the `static` ones) for `platform`."""
+    from jax import export
     gpu = platform in ("cuda", "rocm")
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_DISABLED_CHECK)] if gpu else []
-    with gpu_target(mesh=model.mesh) if gpu else contextlib.nullcontext():
+    with gpu_target(mesh=mesh) if gpu else contextlib.nullcontext():
         t = time.perf_counter()
-        exp = export.export(prog, platforms=[platform], disabled_checks=checks)(*sds)
+        exp = export.export(prog, platforms=[platform], disabled_checks=checks)(*sds, *static)
         seconds = time.perf_counter() - t
-        calls = pallas_calls(prog.trace(*sds).jaxpr)
+        calls = pallas_calls(prog.trace(*sds, *static).jaxpr)
     text = exp.mlir_module()
-    return ExportReport(platform, sds[1].shape[0], sds[1].shape[1], sampling, exp, seconds,
+    return ExportReport(platform, canvas_shape[0], canvas_shape[1], sampling, exp, seconds,
                         len(exp.mlir_module_serialized), text.count(MOSAIC_TPU), text.count(TRITON),
                         sum(c["interpret"] for c in calls), len(calls))
+
+
+def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, prompt_len: int = 64, sampling=None,
+                            model=None, prefix_width: int | None = None) -> dict[str, ExportReport]:
+    """Export the continuous-batching programs (decoding/segments.py) the server runs for `batch`
+    slots of prompts up to `prompt_len` tokens: "init" (the rows' init; the prefill for block
+    diffusion), "segment" (a bounded stretch of the loop) and, for block diffusion with
+    prefix_width, "init_prefix" (the prefill of the last prefix_width prompt positions over cached
+    prompt K/V). -> {name: ExportReport}."""
+    from dinfer_jax.decoding.loop import KNOBS
+    from dinfer_jax.engine import SamplingParams, _bucket_len
+    sampling = SamplingParams() if sampling is None else sampling
+    if model is None:
+        model = abstract_model(cfg, platform)
+    elif model.target_platform != platform:
+        raise ValueError(f"model targets {model.target_platform!r}, not {platform!r}")
+    spec = sampling.spec(cfg.mask_token_id, cfg.eos_id)
+    gen_start = _bucket_len(prompt_len + spec.head_room)
+    Lc = gen_start + spec.gen_length + spec.tail_room
+    init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)
+    sd = jax.ShapeDtypeStruct
+    row = lambda dt: sd((batch,), dt)
+    knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in KNOBS}
+    params = jax.tree_util.tree_map(lambda x: _abstract(x, model.mesh is not None), model.params)
+    args = (params, sd((batch, Lc), jnp.int32), row(jnp.int32), row(jnp.int32), row(jnp.bool_), knobs)
+    state = jax.eval_shape(init, *args)
+    out = {"init": _export(init, args, platform, model.mesh, sampling, (batch, Lc)),
+           "segment": _export(segment, (params, state, args[2], args[3], knobs, sd((), jnp.int32)), platform,
+                              model.mesh, sampling, (batch, Lc))}
+    if prefix_width is not None:
+        if spec.cache != "block":
+            raise ValueError("the prefix prefill exists for block diffusion (cache='block') only")
+        kv = sd((cfg.num_layers, batch, gen_start, cfg.num_kv_heads, cfg.head_dim), model.module.dtype)
+        out["init_prefix"] = _export(init_prefix, args + ((kv, kv),), platform, model.mesh, sampling, (batch, Lc),
+                                     static=(prefix_width,))
+    return out
 
 
 def main(argv=None):

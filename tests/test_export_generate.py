@@ -9,7 +9,8 @@ safety check disabled is the one for the Triton custom call (dinfer_jax.aot.TRIT
 Matrix: MODELS x {tpu, cuda} x cache {none, prefix, dual, vicinity, block (LLaDA2 only)} x batch
 {1, 16}, prompt 64, gen 128, block 64 (LLaDA2: 32, its attention block), bf16, one device; plus one long canvas per model (prompt 3968 ->
 L 4160 on TPU). Kernel-level shapes beyond the models' (GQA 16/4, H 64, L 32k, block-causal) are
-in tests/test_attention_lowering.py. Rows (size, lowering time) are printed at the end (-s).
+in tests/test_attention_lowering.py. Also the continuous-batching programs (init, segment, prefix-cache
+prefill) per model x platform at 4 slots. Rows (size, lowering time) are printed at the end (-s).
 """
 import functools
 
@@ -70,6 +71,27 @@ def test_generate_program_exports(name, platform, cache, batch):
     r = export_generate(cfg, platform, batch=batch, prompt_len=64, sampling=sp, model=_model(name, platform))
     assert r.batch == batch and r.canvas_length >= 64 + 128
     _check(r, name, cfg)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name", MODELS)
+def test_continuous_batching_programs_export(name, platform):
+    """The server's continuous-batching programs (decoding/segments.py) at full shapes, 4 slots: the
+    rows' init (block diffusion: the prefill), a loop segment, and (block diffusion) the prefill
+    over cached prompt K/V of the prefix cache."""
+    from dinfer_jax.aot import export_segment_programs
+    cfg = preset(name)
+    block = cfg.attention_mask == "block_causal"
+    sp = SamplingParams(gen_length=128, block_length=cfg.block_size or 64, cache="block" if block else "dual")
+    out = export_segment_programs(cfg, platform, batch=4, prompt_len=64, sampling=sp, model=_model(name, platform),
+                                  prefix_width=cfg.block_size if block else None)
+    assert set(out) == ({"init", "segment", "init_prefix"} if block else {"init", "segment"})
+    for what, r in out.items():
+        assert r.batch == 4 and r.canvas_length >= 64 + 128
+        if what == "init" and not block:  # a full-attention row's init runs no forward
+            assert r.n_pallas == 0 and r.n_mosaic == r.n_triton == 0
+            continue
+        _check(r, f"{name} {what}", cfg)
 
 
 @pytest.mark.parametrize("name", MODELS)
