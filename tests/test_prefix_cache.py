@@ -11,9 +11,11 @@ from dinfer_jax.decoding.prefix_cache import PrefixCache, chain_keys
 from dinfer_jax.engine import SamplingParams, generate
 
 
-def _blk(v, n=4):
-    a = jnp.full((2, n, 1, 2), float(v), jnp.float32)  # (layers, block, K, H): 64 bytes; k + v: 128
-    return a, a
+def _canvas(values, n=4):
+    """A (k, v) canvas cache (layers 2, batch 1, len(values) blocks of n, K 1, H 2) whose block i
+    holds values[i]; one block = 2 * 2 * n * 1 * 2 * 4 bytes = 128 (k and v)."""
+    a = jnp.repeat(jnp.asarray(values, jnp.float32), n)[None, None, :, None, None] * jnp.ones((2, 1, 1, 1, 2))
+    return a, -a
 
 
 @pytest.mark.smoke
@@ -29,17 +31,19 @@ def test_chain_keys_name_the_whole_prefix():
 def test_lru_budget_and_ancestors_outlive_descendants():
     pc = PrefixCache(max_bytes=3 * 128)
     ka = chain_keys(list(range(12)), 4)  # chain a0 -> a1 -> a2
-    for i, k in enumerate(ka):
-        pc.insert(k, *_blk(i))
-    assert len(pc) == 3 and pc.bytes == 3 * 128
-    assert len(pc.lookup(ka)) == 3  # hit refreshes a2, a1, a0 (a0 most recent)
+    pc.insert(ka, _canvas([0.0, 1.0, 2.0]), [0, 0, 0], [0, 4, 8], 4)
+    assert len(pc) == 3 and pc.bytes == 3 * 128 and pc.pool[0].shape[0] == 3
+    assert len(pc.lookup(ka)) == 3  # the hit refreshes a2, a1, a0 (a0 most recent)
     kb = chain_keys([7] * 4, 4)
-    pc.insert(kb[0], *_blk(9))  # over budget: the least recently used goes, the deepest block a2
+    pc.insert(kb, _canvas([9.0]), [0], [0], 4)  # over budget: the least recently used goes, the deepest block a2
     assert len(pc) == 3 and pc.bytes <= pc.max_bytes and pc.stats["evictions"] == 1
-    got = pc.lookup(ka)
-    assert len(got) == 2 and float(got[1][0][0, 0, 0, 0]) == 1.0
+    slots = pc.lookup(ka)
+    assert len(slots) == 2
+    placed = pc.place(slots + pc.lookup(kb), [0, 0, 0], [0, 4, 8], 1, 12)  # a0, a1, b0 laid out again
+    np.testing.assert_array_equal(np.asarray(placed[0][0, 0, :, 0, 0]), [0.0] * 4 + [1.0] * 4 + [9.0] * 4)
+    np.testing.assert_array_equal(np.asarray(placed[1]), -np.asarray(placed[0]))
     s = pc.snapshot()
-    assert s["blocks_looked_up"] == 6 and s["blocks_hit"] == 5 and s["hit_rate"] == round(5 / 6, 4)
+    assert s["blocks_looked_up"] == 7 and s["blocks_hit"] == 6 and s["hit_rate"] == round(6 / 7, 4)
     assert PrefixCache(0).enabled is False
     with pytest.raises(ValueError, match="prefix cache size"):
         PrefixCache(-1)
@@ -110,8 +114,7 @@ def test_poisoned_cache_entries_change_the_answer(tiny_llada2):
     prompts = _prompts()
 
     def poison(pc):
-        for key, (k, v) in list(pc._entries.items()):
-            pc._entries[key] = (k * 0 + 3.0, v * 0 - 3.0)
+        pc.pool = (pc.pool[0] * 0 + 3.0, pc.pool[1] * 0 - 3.0)
     _, _, kv_bad = _run(tiny_llada2, prompts, 1 << 20, poison=poison)
     _, _, kv_full = _run(tiny_llada2, prompts, 0)
     assert np.abs(kv_bad[3][0] - kv_full[3][0]).max() > 1.0

@@ -13,12 +13,14 @@ token's K/V depend on the request's own generated tokens; a cached copy from ano
 not the K/V this request would compute (the dual cache refreshes them at every block for that
 reason).
 
-Store: entry = the K/V of one block, (layers, B_len, K, H) for k and for v, resident on the device,
-keyed by a hash chain over the prompt's blocks (key_k = H(key_{k-1}, tokens of block k), seeded by
-the block length), so a key names the whole prefix up to that block. Lookup walks the chain from
-block 0 and stops at the first miss. Bounded by bytes; least-recently-used entries go first, and a
-hit refreshes the chain deepest-first so a prefix's ancestors are always more recent than its
-descendants (evicting an ancestor would strand every descendant).
+Store: a device-resident pool of block slots, (slots, layers, B_len, K, H) for k and for v, sized
+by the byte budget and allocated on first use; an entry is a slot, keyed by a hash chain over the
+prompt's blocks (key_k = H(key_{k-1}, tokens of block k), seeded by the block length), so a key
+names the whole prefix up to that block. Lookup walks the chain from block 0 and stops at the first
+miss. Least-recently-used entries are evicted first, and a hit refreshes the chain deepest-first so
+a prefix's ancestors are always more recent than its descendants (evicting an ancestor would
+strand every descendant). One jitted gather-scatter per admission in each direction (cache ->
+canvas, canvas -> pool; counts bucketed to powers of two).
 
 The consumer (decoding/segments.RunningBatch.admit) prefills only the uncached tail of the prompts:
 block_loop's init with `prefix=(cached K/V laid out on the canvas, window width)`.
@@ -45,15 +47,18 @@ def chain_keys(ids, block: int) -> list[bytes]:
 
 
 class PrefixCache:
-    """LRU store of per-block prompt K/V (module doc), bounded by `max_bytes`. Thread safe."""
+    """LRU pool of per-block prompt K/V (module doc), bounded by `max_bytes`. Host metadata is
+    locked; the pool itself is used by one thread (the scheduler)."""
 
     def __init__(self, max_bytes: int):
         if max_bytes < 0:
             raise ValueError(f"prefix cache size must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = int(max_bytes)
-        self._entries: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
+        self._slot: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> pool slot, LRU first
+        self._free: list[int] = []
         self._lock = threading.Lock()
-        self.bytes = 0
+        self.pool = None  # (k, v) each (slots, layers, B_len, K, H), allocated on the first insert
+        self.block_bytes = 0
         self.stats = dict(lookups=0, blocks_looked_up=0, blocks_hit=0, tokens_reused=0, blocks_inserted=0,
                           evictions=0, prefill_tokens=0, prefill_tokens_full=0)
 
@@ -62,42 +67,83 @@ class PrefixCache:
         return self.max_bytes > 0
 
     def __len__(self):
-        return len(self._entries)
+        return len(self._slot)
 
-    def lookup(self, keys: list[bytes]) -> list[tuple]:
-        """The cached (k, v) of the longest cached chain prefix of `keys` (blocks 0..h-1)."""
+    @property
+    def bytes(self) -> int:
+        return len(self._slot) * self.block_bytes
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """Pool slots of the longest cached chain prefix of `keys` (blocks 0..h-1)."""
         out = []
         with self._lock:
             for key in keys:
-                e = self._entries.get(key)
-                if e is None:
+                slot = self._slot.get(key)
+                if slot is None:
                     break
-                out.append(e)
+                out.append(slot)
             for key in reversed(keys[:len(out)]):  # deepest first: ancestors end up most recent
-                self._entries.move_to_end(key)
+                self._slot.move_to_end(key)
             self.stats["lookups"] += 1
             self.stats["blocks_looked_up"] += len(keys)
             self.stats["blocks_hit"] += len(out)
             if out:
-                self.stats["tokens_reused"] += len(out) * out[0][0].shape[1]
+                self.stats["tokens_reused"] += len(out) * self.pool[0].shape[2]
         return out
 
-    def insert(self, key: bytes, k, v):
-        """Store one block's K/V (each (layers, B_len, K, H)); evicts LRU entries to stay in budget."""
-        size = k.nbytes + v.nbytes
-        if size > self.max_bytes:
+    def _allocate(self, kv, block: int):
+        L, _, _, K, H = kv[0].shape
+        self.block_bytes = 2 * L * block * K * H * kv[0].dtype.itemsize
+        n = self.max_bytes // self.block_bytes
+        if n == 0:
+            return False
+        self.pool = tuple(jnp.zeros((n, L, block, K, H), kv[0].dtype) for _ in range(2))
+        self._free = list(range(n - 1, -1, -1))
+        return True
+
+    def insert(self, keys: list[bytes], kv, rows: list[int], starts: list[int], block: int):
+        """Store the blocks kv[:, rows[i], starts[i]:starts[i] + block] (kv: the (k, v) canvas cache,
+        each (layers, B, L, K, H)) under keys[i]; keys already present are refreshed. Evicts LRU
+        entries to stay in budget."""
+        if self.pool is None and not self._allocate(kv, block):
             return
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return
-            while self.bytes + size > self.max_bytes and self._entries:
-                _, (ok, ov) = self._entries.popitem(last=False)
-                self.bytes -= ok.nbytes + ov.nbytes
-                self.stats["evictions"] += 1
-            self._entries[key] = (k, v)
-            self.bytes += size
-            self.stats["blocks_inserted"] += 1
+            take, slots, seen = [], [], set()
+            for i, key in enumerate(keys):
+                if key in self._slot or key in seen:
+                    if key in self._slot:
+                        self._slot.move_to_end(key)
+                    continue
+                if not self._free:
+                    old, slot = self._slot.popitem(last=False)
+                    self._free.append(slot)
+                    self.stats["evictions"] += 1
+                slot = self._free.pop()
+                self._slot[key] = slot
+                seen.add(key)
+                take.append(i)
+                slots.append(slot)
+            self.stats["blocks_inserted"] += len(take)
+        if take:
+            N = _pow2_count(len(take))
+            idx = lambda xs: jnp.asarray(_pad_list([xs[i] for i in take], N), jnp.int32)
+            self.pool = _store(self.pool[0], self.pool[1], kv[0], kv[1], idx(rows), idx(starts),
+                               jnp.asarray(_pad_list(slots, N), jnp.int32))
+
+    def place(self, slots: list[int], rows: list[int], starts: list[int], batch: int, length: int):
+        """Cached blocks laid out on a (layers, batch, length, K, H) canvas cache: pool slot slots[i]
+        at row rows[i], canvas [starts[i], starts[i] + block); zeros elsewhere."""
+        N = _pow2_count(len(slots))
+        a = lambda xs: jnp.asarray(_pad_list(list(xs), N), jnp.int32)
+        return _place(self.pool[0], self.pool[1], a(slots), a(rows), a(starts), batch, length)
+
+    def clear(self):
+        """Forget every entry and zero the counters (the pool stays allocated)."""
+        with self._lock:
+            if self.pool is not None:
+                self._free = list(range(self.pool[0].shape[0] - 1, -1, -1))
+            self._slot.clear()
+            self.stats = {k: 0 for k in self.stats}
 
     def count_prefill(self, computed: int, full: int):
         with self._lock:
@@ -108,7 +154,7 @@ class PrefixCache:
         """Counters, hit rate (cached blocks / full prompt blocks looked up), entries and bytes."""
         with self._lock:
             s = dict(self.stats)
-            s.update(entries=len(self._entries), bytes=self.bytes, max_bytes=self.max_bytes,
+            s.update(entries=len(self._slot), bytes=self.bytes, max_bytes=self.max_bytes,
                      hit_rate=round(s["blocks_hit"] / s["blocks_looked_up"], 4) if s["blocks_looked_up"] else 0.0)
         return s
 
@@ -122,49 +168,30 @@ def _pad_list(xs: list, n: int) -> list:
     return xs + [xs[-1]] * (n - len(xs))
 
 
-def gather_blocks(kv, rows: list[int], starts: list[int], block: int) -> list[tuple]:
-    """Per-block (k, v) copies, each (layers, block, K, H), of cache rows[i] at canvas [starts[i],
-    starts[i] + block). One compiled gather per power-of-two count."""
-    n = len(rows)
-    N = _pow2_count(n)
-    r = jnp.asarray(_pad_list(list(rows), N), jnp.int32)
-    s = jnp.asarray(_pad_list(list(starts), N), jnp.int32)
-    k, v = _gather(kv[0], kv[1], r, s, block)
-    return [(k[i], v[i]) for i in range(n)]
+def _store_impl(pool_k, pool_v, k_LBTKH, v_LBTKH, rows_N, starts_N, slots_N):
+    """pool[slots_N[i]] = cache[:, rows_N[i], starts_N[i]:+block] for k and v (pool donated)."""
+    block = pool_k.shape[2]
 
-
-def _gather_impl(k_LBTKH, v_LBTKH, rows_N, starts_N, block):
     def one(a, r, s):
         return jax.lax.dynamic_slice(a, (0, r, s, 0, 0), (a.shape[0], 1, block, a.shape[3], a.shape[4]))[:, 0]
     take = jax.vmap(one, in_axes=(None, 0, 0))
-    return take(k_LBTKH, rows_N, starts_N), take(v_LBTKH, rows_N, starts_N)
+    return (pool_k.at[slots_N].set(take(k_LBTKH, rows_N, starts_N).astype(pool_k.dtype)),
+            pool_v.at[slots_N].set(take(v_LBTKH, rows_N, starts_N).astype(pool_v.dtype)))
 
 
-_gather = jax.jit(_gather_impl, static_argnums=(4,))
+_store = jax.jit(_store_impl, donate_argnums=(0, 1))
 
 
-def _place_impl(k_NLSKH, v_NLSKH, rows_N, starts_N, batch, length):
-    """Blocks written into zero caches (layers, batch, length, K, H) at (rows_N[i], starts_N[i])."""
-    _, L, S, K, H = k_NLSKH.shape
-    zero = jnp.zeros((L, batch, length, K, H), k_NLSKH.dtype)
+def _place_impl(pool_k, pool_v, slots_N, rows_N, starts_N, batch, length):
+    _, L, S, K, H = pool_k.shape
+    zero = jnp.zeros((L, batch, length, K, H), pool_k.dtype)
 
     def body(i, kv):
         k, v = kv
         at = (0, rows_N[i], starts_N[i], 0, 0)
-        return (jax.lax.dynamic_update_slice(k, k_NLSKH[i][:, None], at),
-                jax.lax.dynamic_update_slice(v, v_NLSKH[i][:, None], at))
-    return jax.lax.fori_loop(0, k_NLSKH.shape[0], body, (zero, zero))
+        return (jax.lax.dynamic_update_slice(k, pool_k[slots_N[i]][:, None], at),
+                jax.lax.dynamic_update_slice(v, pool_v[slots_N[i]][:, None], at))
+    return jax.lax.fori_loop(0, slots_N.shape[0], body, (zero, zero))
 
 
-_place = jax.jit(_place_impl, static_argnums=(4, 5))
-
-
-def place_blocks(blocks: list[tuple], rows: list[int], starts: list[int], batch: int, length: int):
-    """Cached blocks [(k, v) each (layers, block, K, H)] laid out on a (layers, batch, length, K, H)
-    canvas cache at rows[i], starts[i] (zeros elsewhere). One compiled program per power-of-two count."""
-    N = _pow2_count(len(blocks))
-    blocks = _pad_list(blocks, N)
-    k = jnp.stack([b[0] for b in blocks])
-    v = jnp.stack([b[1] for b in blocks])
-    return _place(k, v, jnp.asarray(_pad_list(list(rows), N), jnp.int32),
-                  jnp.asarray(_pad_list(list(starts), N), jnp.int32), batch, length)
+_place = jax.jit(_place_impl, static_argnums=(5, 6))

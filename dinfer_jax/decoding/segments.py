@@ -178,31 +178,30 @@ class RunningBatch:
         """Cached prompt blocks of the admitted rows -> (cached K/V on the canvas, prefill width W) or
         None when nothing is cached. W (a multiple of the block, power-of-two blocks, at most
         gen_start) covers every row's uncached prompt tail."""
-        from dinfer_jax.decoding.prefix_cache import chain_keys, place_blocks
+        from dinfer_jax.decoding.prefix_cache import chain_keys
         Bk = self.spec.block_length
-        need, blocks, rows, starts = Bk, [], [], []
+        need, hit, rows, starts = Bk, [], [], []
         self._keys = {}
         for (tag, ids, sp), b in zip(items, slots):
             keys = chain_keys(ids, Bk)
             self._keys[b] = keys
             got = self.prefix_cache.lookup(keys)
-            for k, kv in enumerate(got):
-                blocks.append(kv)
-                rows.append(b)
-                starts.append(int(self.pad[b]) + k * Bk)
+            hit += got
+            rows += [b] * len(got)
+            starts += [int(self.pad[b]) + k * Bk for k in range(len(got))]
             need = max(need, len(ids) - len(got) * Bk)
         width = Bk
         while width < need:
             width *= 2
         width = min(width, self.gen_start)
-        if blocks and width < self.gen_start and self.background is not None and \
+        if hit and width < self.gen_start and self.background is not None and \
                 not self.gen.segment_programs_ready(self.spec, self.gen_start, self.B, width):
             self.background(self.spec, self.gen_start, self.B, width)  # compiled off this thread; full prefill now
             width = self.gen_start
         self.prefix_cache.count_prefill(width * len(items), self.gen_start * len(items))
-        if not blocks or width >= self.gen_start:
+        if not hit or width >= self.gen_start:
             return None
-        return place_blocks(blocks, rows, starts, self.B, self.gen_start), width
+        return self.prefix_cache.place(hit, rows, starts, self.B, self.gen_start), width
 
     def compile_prefix_prefill(self, width: int):
         """Compile (by running on zeros) the prefill over cached prompt K/V of this `width`."""
@@ -217,19 +216,17 @@ class RunningBatch:
 
     def _store(self, items, slots, kv, width):
         """Insert the admitted rows' full prompt blocks that the prefill just computed."""
-        from dinfer_jax.decoding.prefix_cache import gather_blocks
         Bk = self.spec.block_length
-        new_keys, rows, starts = [], [], []
+        keys, rows, starts = [], [], []
         for (tag, ids, sp), b in zip(items, slots):
             for k, key in enumerate(self._keys.get(b, [])):
                 start = int(self.pad[b]) + k * Bk
                 if start >= self.gen_start - width:  # computed by this prefill (earlier ones came from the cache)
-                    new_keys.append(key)
+                    keys.append(key)
                     rows.append(b)
                     starts.append(start)
-        if new_keys:
-            for key, (k, v) in zip(new_keys, gather_blocks(kv, rows, starts, Bk)):
-                self.prefix_cache.insert(key, k, v)
+        if keys:
+            self.prefix_cache.insert(keys, kv, rows, starts, Bk)
 
     def step(self, max_iters: int) -> list[RowResult]:
         """Run one segment (at most max_iters iterations; it ends early when a row finishes) and
