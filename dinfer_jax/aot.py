@@ -163,7 +163,7 @@ def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, 
     diffusion), "segment" (a bounded stretch of the loop) and, for block diffusion with
     prefix_width, "init_prefix" (the prefill of the last prefix_width prompt positions over cached
     prompt K/V). -> {name: ExportReport}."""
-    from dinfer_jax.decoding.loop import KNOBS
+    from dinfer_jax.decoding.loop import ROW_KNOBS
     from dinfer_jax.engine import SamplingParams, _bucket_len
     sampling = SamplingParams() if sampling is None else sampling
     if model is None:
@@ -176,7 +176,7 @@ def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, 
     init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)
     sd = jax.ShapeDtypeStruct
     row = lambda dt: sd((batch,), dt)
-    knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in KNOBS}
+    knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in ROW_KNOBS}
     params = jax.tree_util.tree_map(lambda x: _abstract(x, model.mesh is not None), model.params)
     args = (params, sd((batch, Lc), jnp.int32), row(jnp.int32), row(jnp.int32), row(jnp.bool_), knobs)
     state = jax.eval_shape(init, *args)

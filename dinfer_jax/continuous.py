@@ -7,7 +7,9 @@ between segments, finished rows are answered and waiting requests take the freed
 request no longer waits for the longest one in its batch, and a request arriving mid-batch starts
 at the next segment boundary instead of after the whole batch.
 
-Programs: one RunningBatch per (DecodeSpec, prompt bucket) in flight, at most `max_programs` at
+Programs: one RunningBatch per (DecodeSpec with the gen length bucketed to a power-of-two number
+of blocks, prompt bucket) in flight; a row decodes its own gen_length inside the program's region
+(max_tokens 16, 24 and 32 with block 8 share one program of 32), exactly as alone, at most `max_programs` at
 once, stepped round robin; a batch's size is the power of two covering the waiting rows that
 match it (at least MIN_BATCH, at most max_batch) when it is created, and it is dropped when it runs empty (its
 compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs
@@ -31,6 +33,7 @@ import time
 
 import numpy as np
 
+from dinfer_jax.engine import bucket_gen_length, program_spec
 from dinfer_jax.server import Batcher, Cancelled
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
@@ -77,8 +80,8 @@ class ContinuousBatcher(Batcher):
                 fut.add_done_callback(wake)
         return fut
 
-    def _new_batch(self, params, size, max_prompt_len):
-        rb = self.gen.running_batch(params, size, max_prompt_len)
+    def _new_batch(self, params, size, max_prompt_len, gen_length=None):
+        rb = self.gen.running_batch(params, size, max_prompt_len, gen_length)
         rb.background = self._compile_async
         rb.waiting = []  # jobs assigned to this batch while its programs compile
         rb.compiling = None
@@ -98,7 +101,8 @@ class ContinuousBatcher(Batcher):
 
     def _warmup_batch(self, p, size, ids) -> int:
         """Compile a RunningBatch of `size` slots: fill it, run its segments until every row is done."""
-        rb = self.gen.running_batch(p, size, len(ids))
+        mc = self.gen.model.config
+        rb = self.gen.running_batch(p, size, len(ids), bucket_gen_length(p.spec(mc.mask_token_id, mc.eos_id)))
         self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)  # what a new batch of this kind checks
         rb.admit([(object(), ids, p) for _ in range(size)])
         while rb.running:
@@ -117,11 +121,14 @@ class ContinuousBatcher(Batcher):
         while self.pending:
             j = self.pending.popleft()
             n = len(j.prompt_ids)
-            fits = [rb for rb in self.batches + new_batches if rb.spec == j.key and rb.fits(n) and free[id(rb)] > 0]
+            fits = [rb for rb in self.batches + new_batches if rb.accepts(j.key) and rb.fits(n) and free[id(rb)] > 0]
             if not fits and len(self.batches) + len(new_batches) < self.max_programs:
-                same = [k for k in [j] + list(self.pending) if k.key == j.key]
+                glen = bucket_gen_length(j.key)  # rows of any gen_length up to it share the program
+                prog = program_spec(j.key, glen)
+                same = [k for k in [j] + list(self.pending)
+                        if k.key.gen_length <= glen and program_spec(k.key, glen) == prog]
                 size = min(self.cfg.max_batch, max(_pow2(len(same)), MIN_BATCH))
-                rb = self._new_batch(j.params, size, max(len(k.prompt_ids) for k in same))
+                rb = self._new_batch(j.params, size, max(len(k.prompt_ids) for k in same), glen)
                 new_batches.append(rb)
                 free[id(rb)] = rb.B
                 fits = [rb]

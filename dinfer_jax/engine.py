@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from dinfer_jax.sharding import to_host
-from dinfer_jax.decoding.loop import CACHES, KNOBS, DecodeSpec, generate_loop
+from dinfer_jax.decoding.loop import CACHES, KNOBS, ROW_KNOBS, DecodeSpec, generate_loop
 from dinfer_jax.decoding.strategies import FIXED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
@@ -347,12 +347,19 @@ class Generator:
                 rb.compile_prefix_prefill(w)
                 self._warm.add(("segments", spec, gen_start, batch, w))
 
-    def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int):
+    def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int, gen_length: int | None = None):
         """An empty continuous batch (decoding/segments.RunningBatch) of `batch` slots for prompts of
-        at most max_prompt_len tokens decoded with params' compiled settings (knobs may differ per row)."""
+        at most max_prompt_len tokens decoded with params' compiled settings (knobs may differ per
+        row). gen_length: the program's generation region (default params.gen_length); rows of any
+        gen_length up to it may join."""
         from dinfer_jax.decoding.segments import RunningBatch
         cfg = self.model.config
         spec = params.spec(cfg.mask_token_id, cfg.eos_id)
+        if gen_length is not None:
+            if gen_length < spec.gen_length or gen_length % spec.block_length:
+                raise InvalidParam("gen_length", f"a program region of {gen_length} cannot hold rows of "
+                                                 f"{spec.gen_length} in blocks of {spec.block_length}")
+            spec = program_spec(spec, gen_length)
         if spec.cache == "block" and cfg.attention_mask != "block_causal":
             raise InvalidParam("cache", "cache='block' (block diffusion) needs a block-causal model")
         return RunningBatch(self, spec, _bucket_len(max_prompt_len + spec.head_room), batch)
@@ -408,13 +415,8 @@ class Generator:
             pad[b], plen[b] = gen_start - len(r), len(r)
         canvas[:len(rows), gen_start:gen_start + spec.gen_length] = cfg.mask_token_id
         active = np.arange(B) < len(rows)
-        def knob(p, k):
-            v = getattr(p, k)
-            if v is None:  # editing_threshold None: no editing (unused), or with indel SGLang's edit_threshold 0
-                return 0.0 if p.indel else 1.0
-            return v
-        knobs = {k: np.array([knob(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
-                             np.uint32 if k == "seed" else np.float32) for k in KNOBS}
+        knobs = {k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
+                             np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
         prog = self._program(spec, gen_start)
         put = self.model.place_batch
         args = (self.model.params, put(canvas), put(pad), put(plen), put(active), {k: put(v) for k, v in knobs.items()},
@@ -462,6 +464,25 @@ class Generator:
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
                                 edits, ins, dels)
+
+
+def knob_value(p: SamplingParams, k: str) -> float:
+    """The per-row value of knob `k` (loop.ROW_KNOBS) for SamplingParams p."""
+    v = getattr(p, k)
+    if v is None:  # editing_threshold None: no editing (unused), or with indel SGLang's edit_threshold 0
+        return 0.0 if p.indel else 1.0
+    return v
+
+
+def program_spec(spec: DecodeSpec, gen_length: int) -> DecodeSpec:
+    """spec with the program's generation region `gen_length` (>= the row's own): continuous batches
+    decode rows of different lengths in one program (each row stops at its own length)."""
+    return dataclasses.replace(spec, gen_length=gen_length)
+
+
+def bucket_gen_length(spec: DecodeSpec) -> int:
+    """The program gen length a row of spec.gen_length joins: blocks rounded up to a power of two."""
+    return spec.block_length * _bucket_batch(spec.gen_length // spec.block_length)
 
 
 def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:

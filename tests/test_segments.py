@@ -142,3 +142,39 @@ def test_evicted_row_frees_its_slot_and_leaves_the_others_alone(demo):
     for tag, p in (("b", b), ("c", c)):
         alone = generate(model, [p], sp)
         assert results[tag].raw_ids.tolist() == alone.raw_ids[0].tolist() and results[tag].nfe == alone.nfe[0]
+
+
+@pytest.mark.parametrize("kind", ["dual", "block"])
+def test_rows_of_different_gen_length_share_one_program(demo, tiny_llada2, kind):
+    """Rows with gen_length 8, 16 and 24 (block 8) decode in one program whose region is 32 (the
+    server's bucket): each equals decoding it alone with its own gen_length, tokens and forwards."""
+    if kind == "dual":
+        model, tok = demo
+        prompts = [tok.encode(t) for t in ("sort 5391=", "add 12+34=", "copy abcd=", "rev 8712=")]
+        base = dict(block_length=8, cache="dual", threshold=0.9)
+    else:
+        model = tiny_llada2
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(0, 100, n).tolist() for n in (5, 11, 17, 9)]
+        base = dict(block_length=8, cache="block", threshold=0.9)
+    sps = [SamplingParams(gen_length=g, **base) for g in (8, 16, 24, 16)]
+    gen = model.generator
+    rb = gen.running_batch(sps[0], 4, max(map(len, prompts)), gen_length=32)
+    assert rb.spec.gen_length == 32
+    rb.admit([(i, np.asarray(p, np.int32), sp) for i, (p, sp) in enumerate(zip(prompts[:2], sps[:2]))])
+    results, waiting = {}, [2, 3]
+    for _ in range(1000):
+        for r in rb.step(3):
+            results[r.tag] = r
+        if len(results) == len(prompts):
+            break
+        take, waiting = waiting[:len(rb.free)], waiting[len(rb.free):]  # later arrivals join mid-flight
+        if take:
+            rb.admit([(i, np.asarray(prompts[i], np.int32), sps[i]) for i in take])
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        alone = generate(model, [p], sp)
+        assert len(results[i].raw_ids) == sp.gen_length
+        assert results[i].raw_ids.tolist() == alone.raw_ids[0].tolist(), i
+        assert results[i].nfe == alone.nfe[0], i
+    with pytest.raises(ValueError, match="different compiled program"):
+        rb.admit([(9, np.asarray(prompts[0], np.int32), SamplingParams(gen_length=40, **base))])

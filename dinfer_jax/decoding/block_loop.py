@@ -237,11 +237,13 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     cfg = module.cfg
     B = pad_B.shape[0]
     Bk, M = spec.block_length, spec.mask_id
-    gen_end = gen_start + spec.gen_length
+    from dinfer_jax.decoding.loop import row_gen_end
+    gen_end = gen_start + spec.gen_length  # the program's generation region (static)
+    gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
     positions_BL = jnp.maximum(idx_L[None, :] - pad_B[:, None], 0)
     first_B = pad_B + (prompt_len_B // Bk) * Bk  # canvas index of the first decoded block
-    row_end_B = pad_B + -(-(prompt_len_B + spec.gen_length) // Bk) * Bk
+    row_end_B = pad_B + -(-(prompt_len_B + gen_end_B - gen_start) // Bk) * Bk
     n_blocks_B = (row_end_B - first_B) // Bk
     key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < row_end_B[:, None])
     base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
@@ -255,7 +257,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         """-> the loop state after the prefill. prefix = ((k, v) each (layers, B, gen_start, K, H), W):
         cached prompt K/V (decoding/prefix_cache.py), valid for every row before gen_start - W; only
         the last W prompt positions are then computed (a window forward over that cache)."""
-        tail = (idx_L[None, :] >= gen_end) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
+        tail = (idx_L[None, :] >= gen_end_B[:, None]) & (idx_L[None, :] < row_end_B[:, None]) & active_B[:, None]
         x0 = jnp.where(tail, M, canvas_BL)
         kv = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
         with jax.named_scope("prefill"):
@@ -351,7 +353,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         has_eos = (jnp.any((new_blk == spec.eos_id) & in_gen, axis=-1) if spec.early_stop
                    else jnp.zeros((B,), bool))
         stop_now = finished & has_eos
-        fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end)
+        fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
         x = jnp.where(fill, spec.eos_id, x)
         last = s["blk"] + 1 >= n_blocks_B
         done = s["done"] | stop_now | (finished & last)

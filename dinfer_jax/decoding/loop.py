@@ -112,6 +112,17 @@ class DecodeSpec:
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
          "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens")
+# Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
+# a multiple of the block; continuous batches mix lengths in one program, generate() does not).
+ROW_KNOBS = KNOBS + ("gen_length",)
+
+
+def row_gen_end(knobs, gen_start: int, spec):
+    """Per-row end of the generation region (B,): gen_start + the row's gen_length (spec.gen_length
+    when the knob is absent)."""
+    if "gen_length" not in knobs:
+        return jnp.full(knobs["seed"].shape, gen_start + spec.gen_length, jnp.int32)
+    return gen_start + jnp.minimum(knobs["gen_length"].astype(jnp.int32), spec.gen_length)
 
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
@@ -176,15 +187,16 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
     cfg = module.cfg
     B = pad_B.shape[0]
     Bk, M = spec.block_length, spec.mask_id
-    gen_end = gen_start + spec.gen_length
+    gen_end = gen_start + spec.gen_length  # the program's generation region (static)
+    gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
     positions_BL = jnp.maximum(idx_L[None, :] - pad_B[:, None], 0)
-    key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < gen_end)
+    key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
     if spec.start_block_align:
         first_B = pad_B + (prompt_len_B // Bk) * Bk
     else:
         first_B = jnp.full((B,), gen_start, jnp.int32)
-    n_blocks_B = (gen_end - first_B + Bk - 1) // Bk
+    n_blocks_B = (gen_end_B - first_B + Bk - 1) // Bk
     base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
 
     def block_start(blk_B):
@@ -295,7 +307,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         has_eos = (jnp.any((x_blk == spec.eos_id) & in_gen, axis=-1) if spec.early_stop
                    else jnp.zeros((B,), bool))
         stop_now = finished & has_eos
-        fill = stop_now[:, None] & (idx_L[None, :] >= block_end[:, None]) & (idx_L[None, :] < gen_end)
+        fill = stop_now[:, None] & (idx_L[None, :] >= block_end[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
         x = jnp.where(fill, spec.eos_id, x)
         last = s["blk"] + 1 >= n_blocks_B
         done = s["done"] | stop_now | (finished & last)

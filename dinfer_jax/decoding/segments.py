@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.decoding.loop import KNOBS, DecodeSpec, loop_functions, loop_stats
+from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats
 
 BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K, H) caches)
 
@@ -106,8 +106,9 @@ class RunningBatch:
         self.slots: list[Any] = [None] * batch  # request tag per slot (None: free)
         self.pad = np.full((batch,), gen_start, np.int32)
         self.plen = np.zeros((batch,), np.int32)
-        self.knobs = {k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32) for k in KNOBS}
+        self.knobs = {k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
         self.knobs["threshold"][:] = 1.0
+        self.glen = np.full((batch,), spec.gen_length, np.int32)  # each slot's own gen_length
         self._init, self._segment, self._merge, self._init_prefix = generator.segment_programs(spec, gen_start, batch)
         pc = getattr(generator, "prefix_cache", None)
         self.prefix_cache = pc if use_prefix_cache and pc is not None and pc.enabled and spec.cache == "block" else None
@@ -129,6 +130,12 @@ class RunningBatch:
     def fits(self, prompt_len: int) -> bool:
         return prompt_len + self.spec.head_room <= self.gen_start
 
+    def accepts(self, spec: DecodeSpec) -> bool:
+        """Whether a row decoded with `spec` (its own gen_length) can join this batch: the same
+        settings and a gen_length within the program's region."""
+        from dinfer_jax.engine import program_spec
+        return spec.gen_length <= self.spec.gen_length and program_spec(spec, self.spec.gen_length) == self.spec
+
     def admit(self, items, check: bool = True) -> list[int]:
         """items: [(tag, prompt ids (1-D int array), SamplingParams)] with the batch's spec, at most
         len(self.free) of them, each fitting the prompt bucket. -> the slots they took.
@@ -142,17 +149,19 @@ class RunningBatch:
         used = []
         items = [(tag, np.asarray(ids, np.int32), sp) for tag, ids, sp in items]
         for tag, ids, sp in items:  # all checked before any slot changes
-            if check and sp.spec(cfg.mask_token_id, cfg.eos_id) != spec:
+            if check and not self.accepts(sp.spec(cfg.mask_token_id, cfg.eos_id)):
                 raise ValueError("a row's SamplingParams select a different compiled program than this batch's")
             if not self.fits(len(ids)):
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the batch's bucket ({self.gen_start})")
+        from dinfer_jax.engine import knob_value
         for (tag, ids, sp), b in zip(items, free):
+            glen = min(sp.gen_length, spec.gen_length)
             canvas[b, self.gen_start - len(ids):self.gen_start] = ids
-            canvas[b, self.gen_start:self.gen_start + spec.gen_length] = cfg.mask_token_id
-            self.pad[b], self.plen[b] = self.gen_start - len(ids), len(ids)
-            for k in KNOBS:
-                v = getattr(sp, k)
-                self.knobs[k][b] = 1.0 if v is None else v
+            canvas[b, self.gen_start:self.gen_start + glen] = cfg.mask_token_id
+            self.pad[b], self.plen[b], self.glen[b] = self.gen_start - len(ids), len(ids), glen
+            for k in ROW_KNOBS:
+                self.knobs[k][b] = knob_value(sp, k)
+            self.knobs["gen_length"][b] = glen
             self.slots[b] = tag
             take[b] = True
             used.append(b)
@@ -267,7 +276,7 @@ class RunningBatch:
         stats = jax.tree_util.tree_map(to_host, loop_stats(s, self._stat_keys()))
         out = []
         for b in rows:
-            raw = canvas[b, self.gen_start:self.gen_start + spec.gen_length]
+            raw = canvas[b, self.gen_start:self.gen_start + int(self.glen[b])]
             nfe = int(stats["row_nfe"][b])
             ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs["ignore_eos"][b]))
             out.append(RowResult(self.slots[b], ids, raw, nfe, tpf,
