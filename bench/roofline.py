@@ -101,13 +101,18 @@ def moe_impl_for_backend(impl: str = "auto", backend: str | None = None) -> str:
 
 def forward_cost(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, logits_len: int, *,
                  dtype_bytes: int = 4, cached: bool | None = None, moe_impl: str = "auto",
-                 backend: str | None = None, logits_bytes: int = 4) -> dict:
+                 backend: str | None = None, logits_bytes: int = 4, weight_bytes: float | None = None) -> dict:
     """FLOPs and fewest bytes of one forward of `batch` rows with q_len query positions attending to
     kv_len keys and logits for logits_len positions per row.
 
     cached: keys outside the q_len window come from a KV cache (read); default kv_len != q_len.
     Without a cache the forward's K/V are written out (they become the cache, as in the loop's full
-    refresh). dtype_bytes: params/activations/KV; logits are fp32 (logits_bytes).
+    refresh). dtype_bytes: params/activations/KV; logits are fp32 (logits_bytes). weight_bytes: bytes per
+    weight element when the matmul weights (embedding, projections, experts, MLPs, LM head) are stored
+    in another format than the activations (int8 / fp8: 1; quantisation scales not counted); default
+    dtype_bytes. Routers stay at dtype_bytes.
+    MoE stacks with leading dense layers (first_k_dense, width dense_intermediate_size) and shared
+    experts (LLaDA2.x) get the parts "dense_mlp" and "shared_experts" (absent otherwise).
     moe_impl: the expert path whose work `impl_flops` describes ("auto" resolves like models/moe.py).
 
     Returns dict(flops, bytes, impl_flops, parts={name: dict(flops, bytes, impl_flops)}, assumptions).
@@ -120,15 +125,16 @@ def forward_cost(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, logits_l
     nl = c.num_layers
     T = B * S
     w = dtype_bytes
+    wb = dtype_bytes if weight_bytes is None else weight_bytes
     cached = (L != S) if cached is None else cached
     parts: dict[str, dict] = {}
 
     def add(name, flops, nbytes, impl=None):
         parts[name] = dict(flops=float(flops), bytes=float(nbytes), impl_flops=float(flops if impl is None else impl))
 
-    add("embed", 0, T * D * w)  # gather of T rows (the write is the first layer's input read)
+    add("embed", 0, T * D * wb)  # gather of T rows (the write is the first layer's input read)
     qkv_o = 2 * T * D * (2 * N * H + 2 * K * H)
-    add("attn_proj", nl * qkv_o, nl * (D * (2 * N * H + 2 * K * H) + (2 * H if c.qk_norm else 0) + D) * w)
+    add("attn_proj", nl * qkv_o, nl * (D * (2 * N * H + 2 * K * H) * wb + ((2 * H if c.qk_norm else 0) + D) * w))
     core = 2 * 2 * B * N * S * L * H  # scores q.k and p.v, every query over every key (bidirectional)
     kv_elems = 2 * B * K * H
     kv_bytes = kv_elems * (L - S) * w if cached else kv_elems * L * w  # read the cache / write the new one
@@ -136,6 +142,11 @@ def forward_cost(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, logits_l
     assumptions = {}
     impl = moe_impl_for_backend(moe_impl, backend)
     if c.is_moe:
+        k0 = c.first_k_dense
+        if k0:  # leading dense SwiGLU layers; the MoE parts below cover the other nl - k0 layers
+            Fd = c.dense_intermediate_size
+            add("dense_mlp", k0 * 2 * T * 3 * D * Fd, k0 * 3 * D * Fd * wb)
+        nl = nl - k0
         add("router", nl * 2 * T * D * E, nl * D * E * w)
         touched = min(E, experts_touched(E, X, T))
         useful = 2 * T * X * 3 * D * F
@@ -156,14 +167,17 @@ def forward_cost(cfg: ModelConfig, batch: int, q_len: int, kv_len: int, logits_l
         else:
             impl_f = useful + combine
             assumptions["expert_rows"] = f"{impl}: the {T * X} routed rows only"
-        add("experts", nl * useful, nl * touched * 3 * D * F * w, nl * impl_f)
+        add("experts", nl * useful, nl * touched * 3 * D * F * wb, nl * impl_f)
+        if c.num_shared_experts:  # always-on SwiGLU of width F * num_shared_experts, every token
+            Fs = F * c.num_shared_experts
+            add("shared_experts", nl * 2 * T * 3 * D * Fs, nl * 3 * D * Fs * wb)
         assumptions["experts_touched"] = (f"{touched:.1f} of {E} per layer: E*(1-(1-X/E)^T), T={T} tokens, "
                                           "uniform independent routing")
     else:
-        add("mlp", nl * 2 * T * 3 * D * F, nl * 3 * D * F * w)
-    add("lm_head", 2 * B * G * D * V, (D * V + D) * w + B * G * V * logits_bytes)
+        add("mlp", nl * 2 * T * 3 * D * F, nl * 3 * D * F * wb)
+    add("lm_head", 2 * B * G * D * V, D * V * wb + D * w + B * G * V * logits_bytes)
     # residual stream: each layer reads its input and writes its output once (everything inside fused)
-    add("activations", 0, nl * 2 * T * D * w)
+    add("activations", 0, c.num_layers * 2 * T * D * w)
     return dict(flops=sum(p["flops"] for p in parts.values()), bytes=sum(p["bytes"] for p in parts.values()),
                 impl_flops=sum(p["impl_flops"] for p in parts.values()), parts=parts, assumptions=assumptions,
                 shape=dict(batch=B, q_len=S, kv_len=L, logits_len=G, cached=cached, moe_impl=impl))
