@@ -49,6 +49,45 @@ def test_roofline_counts_match_xla_cost_analysis(tmp_path):
     assert res["ceilings"]["matmul"]["flops_per_s"] > 1e8 and res["ceilings"]["copy"]["bytes_per_s"] > 1e8
 
 
+@pytest.mark.smoke
+def test_roofline_platforms_consistent(tmp_path):
+    """bench/roofline_platforms.py (arithmetic over presets and spec sheets, no compile) on a subset:
+    1-byte weights move fewer bytes than bf16, the floor is the max of its two terms, a forward that
+    is bandwidth-bound at batch 1 leans further toward FLOPs at batch 64, fp8 on v5e (no fp8 MXU)
+    keeps the bf16 rate with int8's bytes, configurations over one chip's HBM are flagged, and the
+    loop's tokens/s follow from the per-forward floors."""
+    sys.path.insert(0, ROOT)
+    from bench import roofline_platforms as rp
+    md, js = tmp_path / "r.md", tmp_path / "r.json"
+    rp.main(["--platforms", "h200", "v5e", "--models", "llada-moe-7b-a1b", "llada2-mini", "--batches", "1", "64",
+             "--out-md", str(md), "--json", str(js), "--quiet"])
+    res = json.loads(js.read_text())
+    rows = {(r["platform"], r["model"], r["batch"], r["format"], r["kind"]): r for r in res["rows"]}
+    assert len(rows) == 2 * 2 * 2 * 3 * 2
+    for (p, m, b, f, k), r in rows.items():
+        assert r["floor_s"] == max(r["t_flops"], r["t_bytes"]) > 0
+        assert r["bound"] == ("FLOPs" if r["t_flops"] >= r["t_bytes"] else "bytes")
+        assert abs(r["tok_per_s"] - b * r["tpf"] / r["floor_s"]) < 1e-6 * r["tok_per_s"]
+        if f != "bf16":
+            bf = rows[(p, m, b, "bf16", k)]
+            assert r["bytes"] < bf["bytes"] and r["flops"] == bf["flops"] and r["mem_bytes"] < bf["mem_bytes"]
+    lo, hi = rows[("h200", "llada-moe-7b-a1b", 1, "bf16", "dual")], rows[("h200", "llada-moe-7b-a1b", 64, "bf16", "dual")]
+    assert lo["bound"] == "bytes" and hi["t_flops"] / hi["t_bytes"] > 4 * lo["t_flops"] / lo["t_bytes"]
+    assert hi["intensity"] > lo["intensity"]
+    v5e_fp8, v5e_int8 = rows[("v5e", "llada2-mini", 1, "fp8", "block")], rows[("v5e", "llada2-mini", 1, "int8", "block")]
+    assert not v5e_fp8["native"] and v5e_fp8["peak"] == rp.PLATFORMS["v5e"]["peak"]["bf16"]
+    assert v5e_int8["native"] and v5e_int8["peak"] > v5e_fp8["peak"] and v5e_fp8["bytes"] == v5e_int8["bytes"]
+    # LLaDA2-mini: 16 G params, 32.5 GB in bf16: fits an H200 (141 GB), not a 16 GB v5e chip
+    assert rows[("h200", "llada2-mini", 1, "bf16", "block")]["fits"]
+    big = rows[("v5e", "llada2-mini", 1, "bf16", "block")]
+    assert not big["fits"] and big["chips"] == 3
+    for lp in res["loops"]:
+        t = lp["t_first"] + (lp["block"] / lp["tpf"] - 1) * lp["t_window"]
+        assert abs(lp["tok_per_s"] - lp["batch"] * lp["block"] / t) < 1e-6 * lp["tok_per_s"]
+    text = md.read_text()
+    assert "not measured" in text and "(needs 3 chips)" in text and "| platform | model | batch |" in text
+
+
 def test_compare_torch_tiny_identical_tokens(tmp_path):
     """bench/compare_torch.py: the transformers peer (fixed / no cache, threshold / dual cache) and
     dinfer-jax give identical tokens and equal NFE on random tiny LLaDA-MoE weights (the script
