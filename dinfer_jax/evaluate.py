@@ -89,7 +89,7 @@ def run_prompts(model, tok, prompt_ids: list[list[int]], sp: SamplingParams, bat
     compile_s = 0.0
     if warmup and prompt_ids:
         t = time.perf_counter()
-        seen, head_room = set(), sp.spec(cfg.mask_token_id, cfg.eos_token_id).head_room
+        seen, head_room = set(), sp.spec_for(cfg).head_room
         for i in range(0, len(prompt_ids), batch_size):
             chunk = prompt_ids[i:i + batch_size]
             # the engine's shape buckets: batch -> power of two, prompt (+ head room) -> multiple of 32

@@ -441,7 +441,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
 
     if cfg.warmup:
         try:
-            warmup_params(cfg).spec(model.config.mask_token_id, model.config.eos_id)
+            warmup_params(cfg).spec_for(model.config)
         except InvalidParam as e:
             raise InvalidParam(e.field, f"the server's default settings are invalid: {e}") from None
     if cfg.scheduler == "continuous":
@@ -518,7 +518,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             upd["top_p"] = req.top_p
         try:
             p = derive_params(d, upd, max_tokens)
-            p.spec(model.config.mask_token_id, model.config.eos_id)
+            p.spec_for(model.config)
         except InvalidParam as e:
             raise BadRequest(str(e), e.field) from None
         if req.seed is None and p.temperature > 0:
@@ -563,7 +563,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         loop = asyncio.get_running_loop()
         deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
         jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
-                    p.spec(model.config.mask_token_id, model.config.eos_token_id),
+                    p.spec_for(model.config),
                     asyncio.Queue() if stream else None, deadline=deadline)
                 for ids, p in zip(ids_list, params)]
         try:
