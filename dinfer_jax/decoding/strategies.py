@@ -167,9 +167,11 @@ def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, st
 
 
 def torch_linspace_f32(start, end, num: int, i):
-    """Element i of torch.linspace(start, end, num) in float32, computed the way torch's CPU kernel
-    does (step = (end - start) / (num - 1); the first half counts up from start, the second half
-    down from end), so the schedule's float32 rounding matches the reference's."""
+    """Element i of torch.linspace(start, end, num) in float32 by torch's scalar formula (step =
+    (end - start) / (num - 1); the first half counts up from start, the second half down from end).
+    torch's own kernels can differ in the last ulp (the CPU kernel's vectorised lanes count up from
+    a chunk base; CUDA may fuse multiply-adds), which changes Dream's k only when n * (1 - s/t)
+    falls within an ulp of an integer."""
     start = jnp.asarray(start, jnp.float32)
     end = jnp.asarray(end, jnp.float32)
     step = (end - start) / jnp.float32(num - 1)
