@@ -206,15 +206,27 @@ class SamplingParams:
             sampling = (("top_k", 0), ("top_p", 1.0)) if self.strategy != DREAM else ()
             for name, off in (("editing_threshold", None), ("num_to_transfer", 1)) + sampling:
                 if getattr(self, name) != off:
+                    also = " or strategy 'dream'" if name in ("top_k", "top_p") else ""
                     raise InvalidParam(name, f"{name}={getattr(self, name)} applies to block diffusion only "
-                                             f"(cache='block'; LLaDA2's decoder) or strategy 'dream', not "
-                                             f"cache={self.cache!r}")
+                                             f"(cache='block'; LLaDA2's decoder){also}, not cache={self.cache!r}")
         if self.strategy != DREAM:
             for name, off in (("alg", None), ("alg_temp", 0.0), ("eps", 1e-3)):
                 if getattr(self, name) != off:
                     raise InvalidParam(name, f"{name}={getattr(self, name)!r} applies to strategy 'dream' (Dream's "
                                              f"sampler) only, not strategy {self.strategy!r}")
         return self
+
+    @classmethod
+    def for_model(cls, cfg, **overrides) -> "SamplingParams":
+        """The family's decoding defaults (dinfer_jax/families/, `Family.decoding`) with `overrides`
+        on top; a Dream model gets Dream's sampler. gen_length alone keeps a whole-canvas family
+        default (block_length == gen_length) whole-canvas."""
+        from dinfer_jax import families
+        d = dict(families.get(cfg.family).decoding)
+        if ("gen_length" in overrides and "block_length" not in overrides
+                and d.get("block_length") is not None and d.get("block_length") == d.get("gen_length")):
+            d["block_length"] = overrides["gen_length"]
+        return cls(**{**d, **overrides})
 
     def spec_for(self, cfg) -> DecodeSpec:
         """`spec` with a model config's mask / EOS ids and logit shift."""
@@ -224,6 +236,9 @@ class SamplingParams:
         """The static part (the compiled program's key), after `validate`. logit_shift: the model's
         (ModelConfig.logit_shift); `spec_for(cfg)` passes all three."""
         self.validate()
+        if logit_shift and self.smoothing:
+            raise InvalidParam("smoothing", "iteration smoothing is not supported for a model with shifted logits "
+                                            "(Dream)")
         steps_per_block = 0
         if self.cache == "block":  # LLaDA2.0: `steps` counts per block (its transfer schedule)
             steps_per_block = self.steps or 0
@@ -422,7 +437,9 @@ class Generator:
         share the compiled settings; KNOBS such as threshold, temperature and seed may differ).
         observer: fn(step, gen_BG, blk_B, done_B, active_B) called on the host after every loop
         iteration (decoding/observe.py); it selects a program variant with one callback per step."""
-        params = params or SamplingParams()
+        if params is None:  # a family with its own sampler (Dream) uses it; the others dInfer's defaults
+            cfg = self.model.config
+            params = SamplingParams.for_model(cfg) if own_sampler(cfg) else SamplingParams()
         oid = 0
         if observer is not None:
             from dinfer_jax.decoding import observe
@@ -457,6 +474,13 @@ class Generator:
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
                                 edits, ins, dels)
+
+
+def own_sampler(cfg) -> bool:
+    """Whether cfg's family decodes by default with its own sampler (strategy "dream") rather than
+    dInfer's defaults (the CLI and `generate(params=None)` then use `SamplingParams.for_model`)."""
+    from dinfer_jax import families
+    return families.get(cfg.family).decoding.get("strategy") == DREAM
 
 
 def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:

@@ -72,7 +72,8 @@ def test_config_family_and_presets():
     from dinfer_jax.chat import render
     text = render(fam.chat_template, [{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert SamplingParams(**fam.decoding).validate().strategy == "dream"
+    d = SamplingParams.for_model(CFG, gen_length=32).validate()
+    assert (d.strategy, d.alg, d.cache, d.block_length) == ("dream", "entropy", "none", 32)
 
 
 def test_logits_match_qwen2_with_left_padding(dream_ref, dream_model, rng):
@@ -237,5 +238,29 @@ def test_bad_inputs_name_the_field():
             SamplingParams(**{"gen_length": 16, "block_length": 16, **kw}).validate()
         assert e.value.field == field and field in str(e.value), (kw, e.value.field, str(e.value))
     # smoothing is refused for a shifted model (at spec time, with the model's shift)
-    with pytest.raises(ValueError, match="shifted"):
+    with pytest.raises(InvalidParam, match="shifted") as e:
         SamplingParams(gen_length=16, block_length=16, strategy="dream", smoothing=True, cache="none").spec_for(CFG)
+    assert e.value.field == "smoothing"
+
+
+def test_cli_picks_dreams_sampler_and_checks_its_flags(dream_hf_dir, capsys):
+    """Without --strategy a Dream folder decodes with the family's own sampler (dream, entropy,
+    cache none, one block over the whole canvas); explicit flags win; bad values name their flag."""
+    from dinfer_jax import cli
+    parser = cli.build_parser()
+
+    def params(*extra):
+        a = parser.parse_args(["generate", "--model", dream_hf_dir, "--prompt-ids", "5,9", "--gen-length", "32",
+                               *extra])
+        return cli._sampling_params(a, dream_hf_dir)
+
+    p = params()
+    assert (p.strategy, p.alg, p.cache, p.block_length, p.gen_length, p.eps) == ("dream", "entropy", "none", 32, 32, 1e-3)
+    p = params("--alg", "topk_margin", "--alg-temp", "0.5", "--cache", "dual", "--block-length", "16", "--steps", "8")
+    assert (p.alg, p.alg_temp, p.cache, p.block_length, p.steps) == ("topk_margin", 0.5, "dual", 16, 8)
+    assert params("--strategy", "threshold").strategy == "threshold"
+    for flags, name in ((["--eps", "1.5"], "--eps"), (["--alg-temp", "-1"], "--alg-temp"),
+                        (["--strategy", "threshold", "--alg", "entropy"], "--alg")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", "--model", dream_hf_dir, "--prompt-ids", "5,9", "--gen-length", "32", *flags])
+        assert e.value.code == 2 and f"error: {name}:" in capsys.readouterr().err, flags

@@ -103,6 +103,7 @@ FAMILY = Family(
     # Dream's own sampler over the whole canvas (one block), the README example's alg "entropy" with
     # steps = gen_length and eps 1e-3, greedy (the README samples at temperature 0.2, top_p 0.95;
     # generation_config.json's alg is "origin"). Cache none: every step is a full forward, as in Dream.
-    decoding=dict(gen_length=128, block_length=128, strategy="dream", alg="entropy", steps=128, eps=1e-3,
-                  alg_temp=0.0, cache="none"),
+    # steps: None = gen_length (the README's steps = max_new_tokens).
+    decoding=dict(gen_length=128, block_length=128, strategy="dream", alg="entropy", eps=1e-3, alg_temp=0.0,
+                  cache="none"),
 )
