@@ -11,9 +11,12 @@ own: t = torch.linspace(1, eps, steps + 1) in float32, k = int(n_masked * (1 - s
   step), 2))) instead of torch.rand, so the token-for-token comparison holds; only T = 0.
 - blocks: with block_length < gen_length each block runs the schedule with steps // num_blocks
   steps (Dream itself has one block = the whole generation region).
-- cache "dual": the K/V of the whole canvas come from a full forward at each block's first step;
-  later steps run the window [block start - 1, block end) over that cache, the extra left position
-  a query only (its K/V stay the cached ones), whose output row decodes the block's first position.
+- caches: the K/V of the whole canvas come from a full forward at each block's first step (and,
+  vicinity, while fewer than warmup_steps forwards ran); the other steps run a window over that
+  cache whose output rows [block start - 1, block end - 1) decode the block (the shift):
+  dual [block start - 1, block end), the extra left position a query only (its K/V stay the
+  cached ones); prefix [block start - 1, end of canvas), fresh K/V written from the block start
+  on; vicinity [block start - prefix_look, block end + after_look), all fresh.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def filtered_probs(logits, top_p, top_k):
 
 def reference_dream(model, prompt, p):
     """-> generation region tokens (list). p: SamplingParams with strategy 'dream', temperature 0."""
-    assert p.temperature == 0 and p.cache in ("none", "dual")
+    assert p.temperature == 0 and p.cache in ("none", "dual", "prefix", "vicinity")
     cfg, module, params = model.config, model.module, model.params
     M = cfg.mask_token_id
     alg = p.alg or "origin"
@@ -79,18 +82,22 @@ def reference_dream(model, prompt, p):
     for b in range(nb):
         s0, e = P + b * Bk, P + (b + 1) * Bk
         for i in range(S):
-            if p.cache == "none" or i == 0:
+            if p.cache == "none" or i == 0 or (p.cache == "vicinity" and it < p.warmup_steps):
                 raw, kv = _apply(module)(params, jnp.asarray(x[None], jnp.int32), jnp.asarray(pos[None]), None, None,
                                          None)
                 raw = np.asarray(raw[0])
                 shifted = np.concatenate([raw[:1], raw[:-1]])  # §13.4
                 logits = shifted[s0:e]
             else:
-                lo = s0 - 1
-                write = np.arange(e - lo) >= 1
-                win, _ = _apply(module)(params, jnp.asarray(x[None, lo:e], jnp.int32), jnp.asarray(pos[None, lo:e]),
+                if p.cache == "vicinity":
+                    lo, hi = max(0, s0 - p.prefix_look), min(Lx, e + p.after_look)
+                else:
+                    lo, hi = s0 - 1, (e if p.cache == "dual" else Lx)
+                write = np.arange(lo, hi) >= (s0 if p.cache != "vicinity" else lo)
+                win, _ = _apply(module)(params, jnp.asarray(x[None, lo:hi], jnp.int32), jnp.asarray(pos[None, lo:hi]),
                                         kv, jnp.asarray(lo, jnp.int32), jnp.asarray(write[None]))
-                logits = np.asarray(win[0])[:Bk]  # rows s0-1 .. e-2 = the shifted logits of s0 .. e-1
+                # rows s0-1 .. e-2 = the shifted logits of s0 .. e-1
+                logits = np.asarray(win[0])[s0 - 1 - lo:s0 - 1 - lo + Bk]
             blk = x[s0:e]
             masked = blk == M
             t, s = ts[i], ts[i + 1]

@@ -148,15 +148,19 @@ def _gen(model, **kw):
     return generate(model, PROMPTS, SamplingParams(**{**base, **kw}))
 
 
-@pytest.mark.parametrize("alg", ["maskgit_plus", "topk_margin", "entropy"])
-@pytest.mark.parametrize("cache,block", [("none", 16), ("dual", 8)])
+ALGS = ["maskgit_plus", "topk_margin", "entropy"]
+
+
+@pytest.mark.parametrize("alg,cache,block", [(a, "none", 16) for a in ALGS] + [(a, "dual", 8) for a in ALGS]
+                         + [("maskgit_plus", "prefix", 8), ("entropy", "vicinity", 8)])
 def test_sampler_matches_reference(dream_model, alg, cache, block):
     """Token for token vs the host-loop reference at temperature 0, each prompt alone (batch 1)
-    vs both in one left-padded batch (rows are independent). Dual with two blocks: the window
-    extended one position left over the cache refreshed at block entry."""
+    vs both in one left-padded batch (rows are independent). Cached runs use two blocks: dual's
+    window extended one position left, prefix's window from block start - 1, vicinity's logits
+    slice one row left, each over the cache refreshed at block entry."""
     from dream_reference import reference_dream
     p = SamplingParams(gen_length=16, block_length=block, strategy="dream", alg=alg, steps=8, cache=cache,
-                       early_stop=False)
+                       early_stop=False, prefix_look=3, after_look=2, warmup_steps=1)
     r = generate(dream_model, PROMPTS, p)
     for b, prompt in enumerate(PROMPTS):
         assert r.raw_ids[b].tolist() == reference_dream(dream_model, prompt, p), (alg, cache, b)
