@@ -168,7 +168,8 @@ class ModelConfig:
     def _count(self, experts: int) -> int:
         D, N, K, H, F, V = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                             self.intermediate_size, self.vocab_size)
-        attn = D * N * H * 2 + D * K * H * 2 + (2 * H if self.qk_norm else 0) + ((N + 2 * K) * H if self.qkv_bias else 0)
+        attn = (D * N * H * 2 + D * K * H * 2 + (2 * H if self.qk_norm else 0)
+                + ((N + 2 * K) * H if self.qkv_bias else 0))
         if self.is_moe:
             router = D * self.num_experts + (self.num_experts if self.router == "sigmoid_group" else 0)
             mlp = (experts + self.num_shared_experts) * 3 * D * F + router

@@ -102,8 +102,8 @@ class SamplingParams:
 
     Defaults follow dInfer for LLaDA-MoE: threshold 0.9, block 64, dual cache, temperature 0.
     steps: total denoising steps for the fixed/random/dream strategies (LLaDA's and Dream's
-    `steps`), split evenly over blocks (steps % num_blocks == 0). With cache='block': steps PER BLOCK, LLaDA2.0's transfer
-    schedule (each step unmasks at least block // steps, one more on the first block % steps);
+    `steps`), split evenly over blocks (steps % num_blocks == 0). With cache='block': steps PER
+    BLOCK, LLaDA2.0's transfer schedule (each step unmasks at least block // steps, one more on the first block % steps);
     None: num_to_transfer per step (LLaDA2.1).
     """
     gen_length: int = 128
