@@ -2,7 +2,8 @@
 
 Each family module (dinfer_jax/families/) declares a list of `Entry`s. Each says how one dinfer-jax
 parameter (possibly stacked over layers `{l}` and experts `{e}`) is assembled from per-layer /
-per-expert HF tensors ("pieces"). A piece is either copied as is, or is a torch Linear weight
+per-expert HF tensors ("pieces"). A piece is either copied as is (or reshaped from a flat HF vector,
+`hf_flat`), or is a torch Linear weight
 (out, in) that is transposed to (in, out) and reshaped to the piece's shape: `in_axes` says how
 many leading piece axes form `in` (q_proj (D, N, H): 1; o_proj (N, H, D): 2). A piece may be a row
 range of a fused HF tensor (`rows`, e.g. the query rows of a fused query_key_value): several
@@ -29,6 +30,7 @@ class Entry:
     layer_offset: int = 0  # HF layer of stack index l is l + layer_offset
     rows: tuple[int, int] | None = None  # this piece = rows [a, b) (torch `out` axis) of the HF tensor
     hf_rows: int = 0  # with rows: the fused HF tensor's row count
+    hf_flat: bool = False  # copied piece stored flat in HF (a (N, H) bias is a [N*H] vector there)
 
     def pieces(self, cfg: ModelConfig):
         """Yield (index tuple into the stacked axes, HF tensor name)."""
@@ -42,7 +44,7 @@ class Entry:
     def hf_shape(self, piece_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of the whole HF tensor (the fused one, for a row range)."""
         if not self.in_axes:
-            return tuple(piece_shape)
+            return (int(np.prod(piece_shape)),) if self.hf_flat else tuple(piece_shape)
         k = self.in_axes
         out = int(np.prod(piece_shape[k:]))
         if self.rows is not None:
@@ -58,7 +60,7 @@ class Entry:
 
     def to_hf(self, piece: np.ndarray) -> np.ndarray:
         if not self.in_axes:
-            return piece
+            return piece.reshape(-1) if self.hf_flat else piece
         k = self.in_axes
         return np.ascontiguousarray(piece.reshape(int(np.prod(piece.shape[:k])), -1).T)
 

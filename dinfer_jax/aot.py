@@ -170,7 +170,7 @@ def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, 
         model = abstract_model(cfg, platform)
     elif model.target_platform != platform:
         raise ValueError(f"model targets {model.target_platform!r}, not {platform!r}")
-    spec = sampling.spec(cfg.mask_token_id, cfg.eos_id)
+    spec = sampling.spec_for(cfg)
     gen_start = _bucket_len(prompt_len + spec.head_room)
     Lc = gen_start + spec.gen_length + spec.tail_room
     init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)

@@ -180,15 +180,47 @@ def _block_flags(a) -> dict:
     return out
 
 
+def _family_sampler(model_dir: str) -> dict:
+    """The model family's decoding defaults when its own sampler is not one of dInfer's (Dream's
+    strategy "dream"); {} otherwise, and for any folder whose config cannot be read here."""
+    from dinfer_jax import families
+    from dinfer_jax.config import ConfigError, load_hf_config
+    from dinfer_jax.engine import own_sampler
+    try:
+        cfg = load_hf_config(model_dir)
+    except (ConfigError, OSError, ValueError):
+        return {}
+    return dict(families.get(cfg.family).decoding) if own_sampler(cfg) else {}
+
+
+def _sampler_choice(a, model_dir: str) -> dict:
+    """strategy, cache and Dream's fields: explicit flags, else the family's own sampler
+    (`_family_sampler`), else dInfer's defaults (threshold, dual cache)."""
+    fam = _family_sampler(model_dir)
+    strategy = a.strategy or fam.get("strategy", "threshold")
+    own = fam if strategy == fam.get("strategy") else {}
+    out = dict(strategy=strategy, cache=a.cache or own.get("cache", "dual"))
+    for name in ("alg", "alg_temp", "eps"):
+        v = getattr(a, name, None)
+        if v is None:
+            v = own.get(name)
+        if v is not None:
+            out[name] = v
+    return out
+
+
 def _sampling_params(a, model_dir: str):
     from dinfer_jax import SamplingParams
     from dinfer_jax.checkpoint import generation_defaults
     gen_length, block_length = _gen_shape(a, model_dir)
-    sp = SamplingParams(gen_length=gen_length, block_length=block_length, strategy=a.strategy,
+    choice = _sampler_choice(a, model_dir)
+    if a.block_length is None and choice["strategy"] == "dream" and _family_sampler(model_dir):
+        block_length = gen_length  # Dream decodes the whole canvas as one block
+    sp = SamplingParams(gen_length=gen_length, block_length=block_length,
                         low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
-                        cache=a.cache, temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
+                        temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
                         early_stop=not a.no_early_stop, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
-                        **_block_flags(a)).validate()
+                        **choice, **_block_flags(a)).validate()
     _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
     return sp
 
@@ -421,7 +453,8 @@ def _int_list(text):
     return vals
 
 
-STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy")
+STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream")
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 CACHES = ("none", "prefix", "dual", "vicinity", "block")
 
 
@@ -432,14 +465,14 @@ def _add_decoding_flags(p, with_lengths: bool = True):
                        help="tokens to generate (default: the model folder's generation_config.json, else 128)")
         p.add_argument("--block-length", type=_positive, default=None,
                        help="block size (default: the model folder's generation_config.json, else 64; at most gen-length)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="threshold",
-                   help="which masked tokens to decode each step (default threshold)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="which masked tokens to decode each step (default threshold; a Dream model: dream)")
     p.add_argument("--threshold", type=float, default=None,
                    help="threshold strategies: confidence tau (default 0.9, or the --edit-mode preset's)")
     p.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
     p.add_argument("--factor", type=float, default=1.0, help="factor strategy's f")
     p.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length)")
-    p.add_argument("--cache", choices=CACHES, default="dual", help="KV cache policy (default dual)")
+    p.add_argument("--cache", choices=CACHES, default=None, help="KV cache policy (default dual; a Dream model: none)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (Gumbel-max)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
@@ -447,7 +480,13 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     p.add_argument("--ignore-eos", action="store_true",
                    help="decode all gen-length tokens: the EOS logit is -inf, so EOS is never chosen")
     p.add_argument("--min-tokens", type=int, default=0, help="EOS is forbidden in the first N generated tokens")
-    b = p.add_argument_group("block diffusion (--cache block; LLaDA2.x)")
+    dr = p.add_argument_group("Dream's sampler (--strategy dream; Dream-7B / DiffuCoder)")
+    dr.add_argument("--alg", choices=DREAM_ALGS, default=None,
+                    help="origin | maskgit_plus | topk_margin | entropy (default: the model's, else origin)")
+    dr.add_argument("--alg-temp", type=float, default=None,
+                    help="> 0: draw the positions to decode from softmax(confidence / alg-temp) (default 0)")
+    dr.add_argument("--eps", type=float, default=None, help="schedule t = linspace(1, eps, steps + 1) (default 1e-3)")
+    b = p.add_argument_group("block diffusion (--cache block; LLaDA2.x); --top-k / --top-p also for --strategy dream")
     b.add_argument("--edit-mode", choices=("quality", "speed"), default=None,
                    help="LLaDA2.1 preset: quality = threshold 0.7, editing 0.5; speed = threshold 0.5, editing 0.0 "
                         "(max-post-steps 16); explicit flags override it")
@@ -483,8 +522,11 @@ def cmd_serve(a):
     model_dir = _model_dir(a)
     d = generation_defaults(model_dir)
     block = a.block_length or d.get("block_length", 64)
-    defaults = SamplingParams(block_length=block, strategy=a.strategy,
-                              low_threshold=a.low_threshold, factor=a.factor, steps=a.steps, cache=a.cache,
+    choice = _sampler_choice(a, model_dir)
+    if a.block_length is None and choice["strategy"] == "dream" and _family_sampler(model_dir):
+        block = a.default_max_tokens or d.get("gen_length", 128)  # Dream: one block over the whole canvas
+    defaults = SamplingParams(block_length=block, **choice,
+                              low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
                               temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
                               early_stop=not a.no_early_stop, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                               **_block_flags(a))

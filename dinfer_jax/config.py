@@ -51,6 +51,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rotary_dim: int | None = None  # None -> H (full rotary); else the first rotary_dim dims rotate
     qk_norm: bool = False  # per-head RMSNorm over H on q and k, before RoPE
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2-style attention)
     num_experts: int = 0  # E; 0 -> dense SwiGLU MLP
     num_experts_per_tok: int = 0  # X
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
@@ -70,6 +71,10 @@ class ModelConfig:
     pad_token_id: int | None = None
     eot_token_id: int | None = None
     extra_token_ids: tuple = ()  # (name, id) pairs a family declares, e.g. LLaDA2.2's edit-control tokens
+    # 1: the model keeps an AR-style next-token head, so the logits that decode position i are the
+    # raw output row i - 1 (position 0 uses its own row); 0: row i decodes position i. The decoding
+    # loop honours it for every strategy and cache (decoding/loop.py).
+    logit_shift: int = 0
 
     def __post_init__(self):
         problems = []
@@ -107,6 +112,8 @@ class ModelConfig:
                 problems.append(f"num_shared_experts={self.num_shared_experts} must be >= 0")
         elif self.first_k_dense or self.num_shared_experts:
             problems.append("first_k_dense / num_shared_experts need num_experts > 0")
+        if self.logit_shift not in (0, 1):
+            problems.append(f"logit_shift={self.logit_shift!r} must be 0 or 1")
         if self.attention_mask not in ATTENTION_MASKS:
             problems.append(f"attention_mask={self.attention_mask!r} is not one of {ATTENTION_MASKS}")
         elif self.attention_mask == "block_causal" and self.block_size <= 0:
@@ -161,7 +168,8 @@ class ModelConfig:
     def _count(self, experts: int) -> int:
         D, N, K, H, F, V = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                             self.intermediate_size, self.vocab_size)
-        attn = D * N * H * 2 + D * K * H * 2 + (2 * H if self.qk_norm else 0)
+        attn = (D * N * H * 2 + D * K * H * 2 + (2 * H if self.qk_norm else 0)
+                + ((N + 2 * K) * H if self.qkv_bias else 0))
         if self.is_moe:
             router = D * self.num_experts + (self.num_experts if self.router == "sigmoid_group" else 0)
             mlp = (experts + self.num_shared_experts) * 3 * D * F + router

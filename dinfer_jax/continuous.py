@@ -102,7 +102,7 @@ class ContinuousBatcher(Batcher):
     def _warmup_batch(self, p, size, ids) -> int:
         """Compile a RunningBatch of `size` slots: fill it, run its segments until every row is done."""
         mc = self.gen.model.config
-        rb = self.gen.running_batch(p, size, len(ids), bucket_gen_length(p.spec(mc.mask_token_id, mc.eos_id)))
+        rb = self.gen.running_batch(p, size, len(ids), bucket_gen_length(p.spec_for(mc)))
         self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)  # what a new batch of this kind checks
         rb.admit([(object(), ids, p) for _ in range(size)])
         while rb.running:

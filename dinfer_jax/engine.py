@@ -15,7 +15,7 @@ import numpy as np
 
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import CACHES, KNOBS, ROW_KNOBS, DecodeSpec, generate_loop
-from dinfer_jax.decoding.strategies import FIXED, STRATEGIES
+from dinfer_jax.decoding.strategies import DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
 
@@ -56,6 +56,8 @@ _RULES = {
     "top_p": (_FLOAT, 0.0, False, 1.0, True),
     "ignore_eos": (_BOOL,),
     "min_tokens": (_INT, 0, True, None, False),
+    "alg_temp": (_FLOAT, 0.0, True, None, False),
+    "eps": (_FLOAT, 0.0, True, 1.0, False),
 }
 
 
@@ -99,9 +101,9 @@ class SamplingParams:
     """Decoding settings. Static ones select a compiled program; the rest are traced per row.
 
     Defaults follow dInfer for LLaDA-MoE: threshold 0.9, block 64, dual cache, temperature 0.
-    steps: total denoising steps for the fixed/random strategies (LLaDA `steps`), split evenly
-    over blocks (steps % num_blocks == 0). With cache='block': steps PER BLOCK, LLaDA2.0's transfer
-    schedule (each step unmasks at least block // steps, one more on the first block % steps);
+    steps: total denoising steps for the fixed/random/dream strategies (LLaDA's and Dream's
+    `steps`), split evenly over blocks (steps % num_blocks == 0). With cache='block': steps PER
+    BLOCK, LLaDA2.0's transfer schedule (each step unmasks at least block // steps, one more on the first block % steps);
     None: num_to_transfer per step (LLaDA2.1).
     """
     gen_length: int = 128
@@ -139,6 +141,16 @@ class SamplingParams:
     # forbidden, not an end-of-turn id.
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Dream's diffusion_generate sampler (strategy="dream"; reference llada2_and_dream.md §13.5):
+    # alg one of origin | maskgit_plus | topk_margin | entropy (None: Dream's default "origin");
+    # alg_temp > 0 draws the positions from softmax(confidence / alg_temp) instead of the top k;
+    # t = linspace(1, eps, steps_per_block + 1) sets k = int(#masked * (1 - s/t)) per step (the
+    # row's own count; Dream uses the batch mean). Dream decodes the whole canvas as one block:
+    # block_length = gen_length; smaller blocks run the same schedule inside every block.
+    # top_k / top_p filter the distribution before its softmax (at temperature 0 too, as in Dream).
+    alg: str | None = None
+    alg_temp: float = 0.0
+    eps: float = 1e-3
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -147,6 +159,8 @@ class SamplingParams:
             raise InvalidParam("strategy", f"strategy={self.strategy!r} is not one of {STRATEGIES}")
         if not isinstance(self.cache, str) or self.cache not in CACHES:
             raise InvalidParam("cache", f"cache={self.cache!r} is not one of {CACHES}")
+        if self.alg is not None and (not isinstance(self.alg, str) or self.alg not in DREAM_ALGS):
+            raise InvalidParam("alg", f"alg={self.alg!r} is not one of {DREAM_ALGS} (Dream's sampler)")
         for name in _RULES:
             v = getattr(self, name)
             if name in ("steps", "editing_threshold") and v is None:
@@ -158,7 +172,7 @@ class SamplingParams:
         if self.gen_length % self.block_length:
             raise InvalidParam("gen_length", f"gen_length={self.gen_length} must be a positive multiple of "
                                              f"block_length={self.block_length}")
-        if self.strategy in FIXED:
+        if self.strategy in SCHEDULED:
             nb = self.gen_length // self.block_length
             steps = self.gen_length if self.steps is None else self.steps
             if steps % nb:
@@ -189,19 +203,46 @@ class SamplingParams:
             if self.indel:
                 raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) applies to block diffusion "
                                             f"only (cache='block'), not cache={self.cache!r}")
-            for name, off in (("editing_threshold", None), ("top_k", 0), ("top_p", 1.0), ("num_to_transfer", 1)):
+            sampling = (("top_k", 0), ("top_p", 1.0)) if self.strategy != DREAM else ()
+            for name, off in (("editing_threshold", None), ("num_to_transfer", 1)) + sampling:
                 if getattr(self, name) != off:
+                    also = " or strategy 'dream'" if name in ("top_k", "top_p") else ""
                     raise InvalidParam(name, f"{name}={getattr(self, name)} applies to block diffusion only "
-                                             f"(cache='block'; LLaDA2's decoder), not cache={self.cache!r}")
+                                             f"(cache='block'; LLaDA2's decoder){also}, not cache={self.cache!r}")
+        if self.strategy != DREAM:
+            for name, off in (("alg", None), ("alg_temp", 0.0), ("eps", 1e-3)):
+                if getattr(self, name) != off:
+                    raise InvalidParam(name, f"{name}={getattr(self, name)!r} applies to strategy 'dream' (Dream's "
+                                             f"sampler) only, not strategy {self.strategy!r}")
         return self
 
-    def spec(self, mask_id: int, eos_id: int) -> DecodeSpec:
-        """The static part (the compiled program's key), after `validate`."""
+    @classmethod
+    def for_model(cls, cfg, **overrides) -> "SamplingParams":
+        """The family's decoding defaults (dinfer_jax/families/, `Family.decoding`) with `overrides`
+        on top; a Dream model gets Dream's sampler. gen_length alone keeps a whole-canvas family
+        default (block_length == gen_length) whole-canvas."""
+        from dinfer_jax import families
+        d = dict(families.get(cfg.family).decoding)
+        if ("gen_length" in overrides and "block_length" not in overrides
+                and d.get("block_length") is not None and d.get("block_length") == d.get("gen_length")):
+            d["block_length"] = overrides["gen_length"]
+        return cls(**{**d, **overrides})
+
+    def spec_for(self, cfg) -> DecodeSpec:
+        """`spec` with a model config's mask / EOS ids and logit shift."""
+        return self.spec(cfg.mask_token_id, cfg.eos_id, cfg.logit_shift)
+
+    def spec(self, mask_id: int, eos_id: int, logit_shift: int = 0) -> DecodeSpec:
+        """The static part (the compiled program's key), after `validate`. logit_shift: the model's
+        (ModelConfig.logit_shift); `spec_for(cfg)` passes all three."""
         self.validate()
+        if logit_shift and self.smoothing:
+            raise InvalidParam("smoothing", "iteration smoothing is not supported for a model with shifted logits "
+                                            "(Dream)")
         steps_per_block = 0
         if self.cache == "block":  # LLaDA2.0: `steps` counts per block (its transfer schedule)
             steps_per_block = self.steps or 0
-        elif self.strategy in FIXED:
+        elif self.strategy in SCHEDULED:
             nb = self.gen_length // self.block_length
             steps_per_block = (self.gen_length if self.steps is None else self.steps) // nb
         return DecodeSpec(
@@ -210,7 +251,8 @@ class SamplingParams:
             prefix_look=self.prefix_look, after_look=self.after_look, warmup_steps=self.warmup_steps,
             smoothing=self.smoothing, early_stop=self.early_stop, start_block_align=self.start_block_align,
             mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None or self.indel,
-            max_post_steps=self.max_post_steps, indel=self.indel)
+            max_post_steps=self.max_post_steps, indel=self.indel,
+            alg=(self.alg or "origin") if self.strategy == DREAM else "", logit_shift=logit_shift)
 
 
 @dataclasses.dataclass
@@ -354,7 +396,7 @@ class Generator:
         gen_length up to it may join."""
         from dinfer_jax.decoding.segments import RunningBatch
         cfg = self.model.config
-        spec = params.spec(cfg.mask_token_id, cfg.eos_id)
+        spec = params.spec_for(cfg)
         if gen_length is not None:
             if gen_length < spec.gen_length or gen_length % spec.block_length:
                 raise InvalidParam("gen_length", f"a program region of {gen_length} cannot hold rows of "
@@ -382,7 +424,7 @@ class Generator:
         bad = [type(p).__name__ for p in per_row if not isinstance(p, SamplingParams)]
         if bad:
             raise InvalidParam("params", f"params must be SamplingParams (or a list of them), got {bad[0]}")
-        spec = per_row[0].spec(cfg.mask_token_id, cfg.eos_id)
+        spec = per_row[0].spec_for(cfg)
         if spec.cache == "block" and cfg.attention_mask != "block_causal":
             raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
                                         f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
@@ -392,7 +434,7 @@ class Generator:
                                         f"delete_token_id and split_token_id; this {cfg.family} model declares "
                                         f"{dict(cfg.extra_token_ids) or 'none'}")
         for i, p in enumerate(per_row[1:], 1):
-            other = p.spec(cfg.mask_token_id, cfg.eos_id)
+            other = p.spec_for(cfg)
             if other != spec:
                 diff = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(other, f.name)]
                 raise ValueError(f"prompts in one batch must share the compiled settings; prompt {i} differs in "
@@ -429,7 +471,9 @@ class Generator:
         share the compiled settings; KNOBS such as threshold, temperature and seed may differ).
         observer: fn(step, gen_BG, blk_B, done_B, active_B) called on the host after every loop
         iteration (decoding/observe.py); it selects a program variant with one callback per step."""
-        params = params or SamplingParams()
+        if params is None:  # a family with its own sampler (Dream) uses it; the others dInfer's defaults
+            cfg = self.model.config
+            params = SamplingParams.for_model(cfg) if own_sampler(cfg) else SamplingParams()
         oid = 0
         if observer is not None:
             from dinfer_jax.decoding import observe
@@ -483,6 +527,13 @@ def program_spec(spec: DecodeSpec, gen_length: int) -> DecodeSpec:
 def bucket_gen_length(spec: DecodeSpec) -> int:
     """The program gen length a row of spec.gen_length joins: blocks rounded up to a power of two."""
     return spec.block_length * _bucket_batch(spec.gen_length // spec.block_length)
+
+
+def own_sampler(cfg) -> bool:
+    """Whether cfg's family decodes by default with its own sampler (strategy "dream") rather than
+    dInfer's defaults (the CLI and `generate(params=None)` then use `SamplingParams.for_model`)."""
+    from dinfer_jax import families
+    return families.get(cfg.family).decoding.get("strategy") == DREAM
 
 
 def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:

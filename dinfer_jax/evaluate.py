@@ -32,20 +32,21 @@ STRATEGY_SETTINGS = {
     "factor": {"factor": 1.0},
     "credit": {"threshold": 0.9},  # + alpha 0.7, gamma 0.2, beta 0.8
     "hierarchy": {"threshold": 0.9, "low_threshold": 0.4},
+    # "dream" (Dream's own sampler) is accepted when named, but is not part of "all"
 }
 
 
 def sampling_params(strategy: str, cache: str, gen_length: int, block_length: int, **overrides) -> SamplingParams:
     kw = dict(STRATEGY_SETTINGS.get(strategy, {}))
-    if strategy in ("fixed", "random"):
+    if strategy in ("fixed", "random", "dream"):
         kw["steps"] = gen_length
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingParams(gen_length=gen_length, block_length=block_length, strategy=strategy, cache=cache, **kw)
 
 
-def _parse_list(text, allowed, what):
+def _parse_list(text, allowed, what, every=None):
     if text in (None, "", "all"):
-        return list(allowed)
+        return list(allowed if every is None else every)
     items = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in items if t not in allowed]
     if bad:
@@ -54,7 +55,7 @@ def _parse_list(text, allowed, what):
 
 
 def parse_strategies(text):
-    return _parse_list(text, STRATEGIES, "strategy")
+    return _parse_list(text, STRATEGIES, "strategy", list(STRATEGY_SETTINGS))
 
 
 def parse_caches(text):
@@ -89,7 +90,7 @@ def run_prompts(model, tok, prompt_ids: list[list[int]], sp: SamplingParams, bat
     compile_s = 0.0
     if warmup and prompt_ids:
         t = time.perf_counter()
-        seen, head_room = set(), sp.spec(cfg.mask_token_id, cfg.eos_token_id).head_room
+        seen, head_room = set(), sp.spec_for(cfg).head_room
         for i in range(0, len(prompt_ids), batch_size):
             chunk = prompt_ids[i:i + batch_size]
             # the engine's shape buckets: batch -> power of two, prompt (+ head room) -> multiple of 32

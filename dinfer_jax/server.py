@@ -49,7 +49,7 @@ try:  # module level: FastAPI resolves the handlers' (string) annotations in thi
 except ImportError:  # serve needs the [serve] extra; create_app says so
     Request = None
 
-STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy"]
+STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream"]
 CACHE = Literal["none", "prefix", "dual", "vicinity", "block"]
 
 
@@ -94,6 +94,10 @@ class DinferFields(BaseModel):
     # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = None
+    # Dream's sampler (strategy "dream"); alg is checked by SamplingParams (InvalidParam -> 400)
+    alg: Optional[str] = None
+    alg_temp: Optional[float] = None
+    eps: Optional[float] = None
 
 
 class CommonFields(DinferFields):
@@ -158,13 +162,13 @@ class Job:
 
 def derive_params(d: SamplingParams, upd: dict, max_tokens: int) -> SamplingParams:
     """A request's SamplingParams: the server defaults `d` with the body's fields `upd`; the block
-    is at most max_tokens, gen_length is max_tokens rounded up to whole blocks, and fixed / random
+    is at most max_tokens, gen_length is max_tokens rounded up to whole blocks, and fixed / random / dream
     strategies default to one step per token. InvalidParam on a bad value."""
     upd = dict(upd)
     block = min(dataclasses.replace(d, **upd).block_length, max_tokens)  # the engine's rules (InvalidParam)
     upd["block_length"] = block
     upd["gen_length"] = -(-max_tokens // block) * block
-    if upd.get("strategy", d.strategy) in ("fixed", "random") and "steps" not in upd:
+    if upd.get("strategy", d.strategy) in ("fixed", "random", "dream") and "steps" not in upd:
         upd["steps"] = upd["gen_length"]
     return dataclasses.replace(d, **upd)
 
@@ -456,7 +460,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
 
     if cfg.warmup:
         try:
-            warmup_params(cfg).spec(model.config.mask_token_id, model.config.eos_id)
+            warmup_params(cfg).spec_for(model.config)
         except InvalidParam as e:
             raise InvalidParam(e.field, f"the server's default settings are invalid: {e}") from None
     if cfg.scheduler == "continuous":
@@ -533,7 +537,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             upd["top_p"] = req.top_p
         try:
             p = derive_params(d, upd, max_tokens)
-            p.spec(model.config.mask_token_id, model.config.eos_id)
+            p.spec_for(model.config)
         except InvalidParam as e:
             raise BadRequest(str(e), e.field) from None
         if req.seed is None and p.temperature > 0:
@@ -578,7 +582,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         loop = asyncio.get_running_loop()
         deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
         jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
-                    p.spec(model.config.mask_token_id, model.config.eos_token_id),
+                    p.spec_for(model.config),
                     asyncio.Queue() if stream else None, deadline=deadline)
                 for ids, p in zip(ids_list, params)]
         try:

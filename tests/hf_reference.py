@@ -257,3 +257,39 @@ def block_causal_logits(model, ids: np.ndarray, block: int, key_mask: np.ndarray
     add = torch.zeros(B, 1, L, L, dtype=torch.float32).masked_fill(~allowed[:, None], -1e30)
     with torch.no_grad():
         return model(input_ids=ids_t, attention_mask=add, position_ids=pos.long()).logits.float().numpy()
+
+
+# -------------------------------------------------------------------------------------------- Dream
+# Dream (DreamModel)  <->  Qwen2ForCausalLM: the same Qwen2 block and the same tensor names (q/k/v
+# with biases, o_proj without); Dream runs it bidirectionally (an explicit 4-D mask here, as above)
+# and reads the logits shifted by one position, which is the sampler's business, not the model's.
+
+
+def qwen2_reference(cfg: ModelConfig, seed: int = 0):
+    """A transformers Qwen2ForCausalLM with cfg's shapes and random weights (biases included)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    assert cfg.qkv_bias and cfg.rotary == cfg.head_dim and not cfg.qk_norm and not cfg.is_moe
+    hf = Qwen2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        rms_norm_eps=cfg.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+        use_sliding_window=False, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(hf).eval()
+    _randomize(model, seed)
+    return model
+
+
+def dream_logits(model, ids: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+    """Logits the way DreamModel runs (reference §13.3/§13.5): positions cumsum(keep) - 1 (pads 1),
+    the bool mask keep[query] & keep[key] as an additive 4-D mask (fully masked pad query rows are
+    don't-care)."""
+    ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    B, L = ids_t.shape
+    keep_t = torch.ones(B, L, dtype=torch.bool) if keep is None else torch.as_tensor(np.asarray(keep, bool))
+    pos = (keep_t.long().cumsum(-1) - 1).masked_fill(~keep_t, 1)
+    allowed = keep_t[:, None, :, None] & keep_t[:, None, None, :]
+    add = torch.zeros(B, 1, L, L).masked_fill(~allowed, -1e30)
+    with torch.no_grad():
+        return model(input_ids=ids_t, attention_mask=add, position_ids=pos).logits.float().numpy()

@@ -54,7 +54,7 @@ def test_template_errors_are_clear():
     with pytest.raises(ChatTemplateError, match="failed to render"):
         render("{% for %}", MSGS)
     with pytest.raises(ChatTemplateError, match="none known for family"):
-        ChatFormatter(None, "dream")
+        ChatFormatter(None, "no-such-family")
 
 
 @pytest.mark.smoke

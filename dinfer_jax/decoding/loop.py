@@ -17,6 +17,22 @@ One iteration = one forward for every active row:
   prefix = from the block start to the end. Keys outside the window come from the cache; the
   window's fresh K/V are used for that forward only (only full refreshes persist, as in dInfer).
 Both run under lax.cond only when some row needs them; per-row results are selected.
+
+Shifted logits (ModelConfig.logit_shift = 1, Dream): the logits that decode position i are the raw
+output row i - 1 (position 0 would use its own row, but it is always prompt). Every forward asks
+for the logits rows [block start - 1, block end - 1) instead of [block start, block end), so every
+strategy sees already-shifted block logits:
+- full forward: logits_window starts one row earlier;
+- prefix: the window [w_j - 1, Lc) starts one position earlier; the extra position's K/V come from
+  the cache (fresh K/V are still written only from the row's block start), it adds one query;
+- dual: the window is extended by one position on the left, [block start - 1, block end): that
+  position is a query only (its K/V stay the cached ones, kv_write_BS), its output row decodes the
+  block's first position;
+- vicinity: the window already reaches prefix_look >= 1 positions back; the logits slice moves one
+  row left (prefix_look = 0 extends the window as dual does).
+The row before a block is always a real token or a left pad: `DecodeSpec.head_room` reserves one
+extra left pad, so block start - 1 >= 0 even for aligned blocks that start at a row's first token.
+Iteration smoothing and block diffusion (cache="block") refuse shifted models.
 """
 from __future__ import annotations
 
@@ -53,6 +69,8 @@ class DecodeSpec:
     editing: bool = False  # block mode: LLaDA2.1 token-to-token edits (post-fill forwards)
     max_post_steps: int = 16  # block mode with editing: post-fill forwards per block at most
     indel: bool = False  # block mode: LLaDA2.2 insert/delete editing (block_loop.indel_step; implies editing)
+    alg: str = ""  # strategy "dream": Dream's rule, one of strategies.DREAM_ALGS
+    logit_shift: int = 0  # the model's ModelConfig.logit_shift (see the module doc)
 
     def __post_init__(self):
         problems = []
@@ -64,7 +82,17 @@ class DecodeSpec:
             problems.append("gen_length and block_length must be > 0")
         elif self.gen_length % self.block_length:
             problems.append(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
-        if self.strategy in st.FIXED and self.steps_per_block <= 0:
+        if self.strategy == st.DREAM and self.alg not in st.DREAM_ALGS:
+            problems.append(f"strategy 'dream' needs alg in {st.DREAM_ALGS}, not {self.alg!r}")
+        elif self.strategy != st.DREAM and self.alg:
+            problems.append(f"alg={self.alg!r} needs strategy 'dream'")
+        if self.logit_shift not in (0, 1):
+            problems.append(f"logit_shift={self.logit_shift} must be 0 or 1")
+        elif self.logit_shift and self.smoothing:
+            problems.append("iteration smoothing with a shifted-logits model is not supported")
+        elif self.logit_shift and self.cache == "block":
+            problems.append("cache='block' (block diffusion) does not support shifted logits")
+        if self.strategy in st.SCHEDULED and self.steps_per_block <= 0:
             problems.append(f"strategy {self.strategy!r} needs steps_per_block > 0")
         if self.smoothing and self.cache == "prefix":
             problems.append("iteration smoothing with the prefix cache is not supported (use none, dual or vicinity)")
@@ -91,8 +119,9 @@ class DecodeSpec:
 
     @property
     def head_room(self) -> int:
-        """Pads needed before the earliest block start (vicinity windows reach back prefix_look)."""
-        return self.prefix_look if self.cache == "vicinity" else 0
+        """Pads needed before the earliest block start (vicinity windows reach back prefix_look;
+        shifted logits read the row before a block)."""
+        return (self.prefix_look if self.cache == "vicinity" else 0) + self.logit_shift
 
     @property
     def tail_room(self) -> int:
@@ -102,7 +131,7 @@ class DecodeSpec:
 
     @property
     def max_iterations(self) -> int:
-        per_block = self.steps_per_block if self.strategy in st.FIXED else self.block_length
+        per_block = self.steps_per_block if self.strategy in st.SCHEDULED else self.block_length
         if self.cache == "block":  # + post-fill forwards; + B for steps that commit the mask id itself
             per_block = 2 * self.block_length + (self.max_post_steps + 1 if self.editing else 0)
             if self.indel:  # SGLang's max_steps (B + max_post_edit_steps + 2) bounds an indel block
@@ -111,7 +140,8 @@ class DecodeSpec:
 
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
-         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens")
+         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens",
+         "alg_temp", "eps")
 # Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
 # a multiple of the block; continuous batches mix lengths in one program, generate() does not).
 ROW_KNOBS = KNOBS + ("gen_length",)
@@ -186,7 +216,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         return block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, Lc, knobs, observer_id)
     cfg = module.cfg
     B = pad_B.shape[0]
-    Bk, M = spec.block_length, spec.mask_id
+    Bk, M, sh = spec.block_length, spec.mask_id, spec.logit_shift
     gen_end = gen_start + spec.gen_length  # the program's generation region (static)
     gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
@@ -239,7 +269,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         # ---- full forward (whole canvas)
         def full(_):
             with jax.named_scope("forward_full"):
-                lw = None if spec.smoothing else (start_B, Bk)
+                lw = None if spec.smoothing else (start_B - sh, Bk)
                 logits, kv = fwd(tokens=x, soft=soft, positions_BS=positions_BL, key_mask_BL=key_mask_BL,
                                  logits_window=lw)
             if spec.smoothing:
@@ -288,9 +318,14 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 tau = jnp.maximum(1.0 - 0.02 * s["it"].astype(jnp.float32), tau)
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
             logits = st.forbid_eos(logits, start_B[:, None] + jnp.arange(Bk)[None, :] - gen_start, spec.eos_id, knobs)
-            cand, transfer, credit = st.decide(spec.strategy, logits, x_blk, M, knobs, keys_B=keys,
-                                               step_B=s["stp"], quota_B=quota, tau_B=tau,
-                                               credit_BSV=s.get("credit"))
+            if spec.strategy == st.DREAM:
+                frac, k = st.dream_schedule(knobs["eps"], spec.steps_per_block, s["stp"], jnp.sum(masked, axis=-1))
+                cand, transfer = st.dream_decide(spec.alg, logits, x_blk, M, knobs, keys_B=keys, frac_B=frac, k_B=k)
+                credit = None
+            else:
+                cand, transfer, credit = st.decide(spec.strategy, logits, x_blk, M, knobs, keys_B=keys,
+                                                   step_B=s["stp"], quota_B=quota, tau_B=tau,
+                                                   credit_BSV=s.get("credit"))
             transfer &= active[:, None]
             x_blk = jnp.where(transfer, cand, x_blk)
             x = window_write(x, x_blk, start_B)
@@ -298,7 +333,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 new_state["credit"] = jnp.where(active[:, None, None], credit, s["credit"])
 
         # ---- block bookkeeping, early stop
-        if spec.strategy in st.FIXED:
+        if spec.strategy in st.SCHEDULED:
             finished = active & (s["stp"] + 1 >= spec.steps_per_block)
         else:
             finished = active & ~jnp.any(x_blk == M, axis=-1)
@@ -335,7 +370,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
 def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, blk_B, need_win, gen_start,
                     Lc, B, V, module, params):
     """Cached forward over each row's window -> (block logits (B, Bk, V), soft window | None, window starts)."""
-    Bk = spec.block_length
+    Bk, sh = spec.block_length, spec.logit_shift
 
     def run(win_start, win_size, logits_offset, write):
         tokens = window_slice(x, win_start, win_size)
@@ -356,10 +391,14 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
     if spec.cache in ("dual", "vicinity"):
         off = 0 if spec.cache == "dual" else spec.prefix_look
         size = Bk if spec.cache == "dual" else spec.prefix_look + Bk + spec.after_look
-        win_start = start_B - off
+        ext = max(0, sh - off)  # shifted logits: the window must hold the row before the block
+        win_start = start_B - off - ext
+        size += ext
+        # the extra left position is a query only: its K/V stay the cached ones
+        write = None if not ext else jnp.broadcast_to(jnp.arange(size)[None, :] >= ext, (B, size))
 
         def go(_):
-            return run(win_start, size, jnp.full((B,), off, jnp.int32), None)
+            return run(win_start, size, jnp.full((B,), off + ext - sh, jnp.int32), write)
 
         def skip(_):
             return zero + ((None if soft is None else jnp.zeros((B, size, soft.shape[-1]), soft.dtype)),)
@@ -370,7 +409,7 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
     # prefix: one branch per possible (static) window [w_j, Lc), j = earliest block among window rows.
     # Row b writes fresh K/V only from its own block start, so rows further ahead are exact too.
     lead = Bk if spec.start_block_align else 0
-    starts = [max(0, gen_start - lead + j * Bk) for j in range(spec.num_blocks)]
+    starts = [max(0, gen_start - lead + j * Bk - sh) for j in range(spec.num_blocks)]
     j_min = jnp.min(jnp.where(need_win, blk_B, spec.num_blocks - 1))
     def branch(j):
         w = starts[j]
@@ -378,7 +417,7 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
         def f(_):
             ws = jnp.full((B,), w, jnp.int32)
             write = jnp.arange(w, Lc)[None, :] >= start_B[:, None]
-            logits, _ = run(ws, Lc - w, start_B - w, write)
+            logits, _ = run(ws, Lc - w, start_B - sh - w, write)
             return logits
         return f
 

@@ -149,7 +149,7 @@ class RunningBatch:
         used = []
         items = [(tag, np.asarray(ids, np.int32), sp) for tag, ids, sp in items]
         for tag, ids, sp in items:  # all checked before any slot changes
-            if check and not self.accepts(sp.spec(cfg.mask_token_id, cfg.eos_id)):
+            if check and not self.accepts(sp.spec_for(cfg)):
                 raise ValueError("a row's SamplingParams select a different compiled program than this batch's")
             if not self.fits(len(ids)):
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the batch's bucket ({self.gen_start})")

@@ -16,6 +16,7 @@ Definitions (shared/reference/decoding.md):
   then threshold on l + alpha*log(1+C).
 - hierarchy: maximal runs of masked positions; each run's most confident eligible position if
   c > low; OR every eligible c > tau; OR the row's most confident eligible position.
+- dream (Dream-7B's diffusion_generate, reference llada2_and_dream.md §13.5): see `dream_decide`.
 Progress guarantee (ours): if every masked position's argmax is the mask token (nothing eligible),
 threshold-family strategies unmask the most confident masked position with its best non-mask token.
 Ties are broken towards the lower position (stable sort).
@@ -28,7 +29,10 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 FIXED = ("fixed", "random")
 THRESHOLD_FAMILY = ("threshold", "factor", "credit", "hierarchy")
-STRATEGIES = FIXED + THRESHOLD_FAMILY
+DREAM = "dream"  # Dream-7B's diffusion_generate sampler; its rule is DecodeSpec.alg (DREAM_ALGS)
+STRATEGIES = FIXED + THRESHOLD_FAMILY + (DREAM,)
+SCHEDULED = FIXED + (DREAM,)  # strategies with a fixed number of steps per block (steps_per_block)
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
 def num_transfer_tokens(n_masks_B, steps: int, step_B):
@@ -156,3 +160,104 @@ def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, st
     transfer = jnp.where(stuck[:, None], alt_pick & masked, transfer)
     cand = jnp.where(stuck[:, None], alt, cand)
     return cand, transfer, new_credit
+
+
+# ---------------------------------------------------------------------------------------------
+# Dream (reference llada2_and_dream.md §13.5)
+
+
+def torch_linspace_f32(start, end, num: int, i):
+    """Element i of torch.linspace(start, end, num) in float32 by torch's scalar formula (step =
+    (end - start) / (num - 1); the first half counts up from start, the second half down from end).
+    torch's own kernels can differ in the last ulp (the CPU kernel's vectorised lanes count up from
+    a chunk base; CUDA may fuse multiply-adds), which changes Dream's k only when n * (1 - s/t)
+    falls within an ulp of an integer."""
+    start = jnp.asarray(start, jnp.float32)
+    end = jnp.asarray(end, jnp.float32)
+    step = (end - start) / jnp.float32(num - 1)
+    i = jnp.asarray(i, jnp.int32)
+    up = start + step * i.astype(jnp.float32)
+    down = end - step * (num - 1 - i).astype(jnp.float32)
+    return jnp.where(i < num // 2, up, down)
+
+
+def dream_schedule(eps_B, steps: int, step_B, n_masked_B):
+    """Dream's schedule at step i of `steps`: t = linspace(1, eps, steps + 1); t_i, s = t_{i+1};
+    fraction = 1 - s/t (1 at the last step). -> (fraction_B fp32, k_B int32) with
+    k = int(n * (1 - s/t)) (all n at the last step). n is the row's own masked count: the reference
+    uses the batch mean (one k for every row); rows here are independent, identical at batch 1."""
+    t = torch_linspace_f32(1.0, eps_B, steps + 1, step_B)
+    s = torch_linspace_f32(1.0, eps_B, steps + 1, step_B + 1)
+    last = step_B >= steps - 1
+    frac = jnp.where(last, 1.0, 1.0 - s / t).astype(jnp.float32)
+    k = jnp.floor(n_masked_B.astype(jnp.float32) * frac).astype(jnp.int32)
+    return frac, jnp.where(last, n_masked_B, k)
+
+
+def dream_filter(logits_BSV, temperature_B, top_p_B, top_k_B):
+    """Dream's logits processing: divide by T (T > 0), nucleus top_p (< 1: keep the smallest prefix
+    of the sorted probabilities whose mass before it is <= top_p, the first always), top_k (> 0:
+    drop logits below the k-th largest); dropped logits become float32 min, as in the reference.
+    The filters apply at T = 0 too, so confidences come from the filtered distribution."""
+    l = logits_BSV.astype(jnp.float32)
+    T = temperature_B[:, None, None]
+    l = jnp.where(T > 0, l / jnp.where(T > 0, T, 1.0), l)
+    fmin = jnp.finfo(jnp.float32).min
+    V = l.shape[-1]
+
+    def nucleus(l):
+        order = jnp.argsort(-l, axis=-1, stable=True)
+        srt = jnp.take_along_axis(l, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+        drop_sorted = jnp.concatenate([jnp.zeros_like(cum[..., :1], bool),
+                                       cum[..., :-1] > top_p_B[:, None, None]], axis=-1)
+        inv = jnp.argsort(order, axis=-1)
+        drop = jnp.take_along_axis(drop_sorted, inv, axis=-1) & (top_p_B[:, None, None] < 1.0)
+        return jnp.where(drop, fmin, l)
+
+    def top_k(l):
+        k = jnp.clip(top_k_B.astype(jnp.int32), 1, V)[:, None, None]
+        kth = jnp.take_along_axis(-jnp.sort(-l, axis=-1), jnp.broadcast_to(k - 1, l.shape[:-1] + (1,)), axis=-1)
+        return jnp.where((top_k_B[:, None, None] > 0) & (l < kth), fmin, l)
+
+    l = jax.lax.cond(jnp.any(top_p_B < 1.0), nucleus, lambda l: l, l)
+    return jax.lax.cond(jnp.any(top_k_B > 0), top_k, lambda l: l, l)
+
+
+def dream_decide(alg: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, frac_B, k_B):
+    """One step of Dream's sampler on one block per row -> (cand_BS, transfer_BS).
+
+    Every position gets a candidate from the filtered distribution p (`dream_filter`): its argmax
+    at T = 0, else a categorical draw (Gumbel-max); the confidence is p[candidate] (maskgit_plus),
+    top1 - top2 of p (topk_margin) or sum p log(p + 1e-10) (entropy: negative entropy).
+    - origin: each masked position is revealed with probability frac_B (1 - s/t; 1 at the last
+      step), independently (our RNG: uniform from fold_in(key, 2));
+    - the others: the k_B masked positions of highest confidence, or with alg_temp > 0, k_B
+      positions drawn without replacement from softmax(confidence / alg_temp) (Gumbel top-k).
+    Ties go to the lower position. The mask token is not forbidden as a candidate (as in Dream)."""
+    masked = x_BS == mask_id
+    T = knobs["temperature"]
+    l = dream_filter(logits_BSV, T, knobs["top_p"], knobs["top_k"])
+    logp = jax.nn.log_softmax(l, axis=-1)
+    p = jnp.exp(logp)
+    cand = gumbel_candidates(logp, (T > 0).astype(jnp.float32), keys_B)
+    if alg == "origin":
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 2), x_BS.shape[1:]))(keys_B)
+        return cand, masked & (u < frac_B[:, None])
+    if alg == "maskgit_plus":
+        conf = jnp.take_along_axis(p, cand[..., None], axis=-1)[..., 0]
+    elif alg == "topk_margin":
+        top2 = jax.lax.top_k(p, 2)[0]
+        conf = top2[..., 0] - top2[..., 1]
+    elif alg == "entropy":
+        conf = jnp.sum(p * jnp.log(p + 1e-10), axis=-1)
+    else:
+        raise ValueError(f"unknown Dream alg {alg!r}; choose one of {DREAM_ALGS}")
+    c = jnp.where(masked, conf, NEG_INF)
+    a = knobs["alg_temp"][:, None]
+
+    def noisy(_):
+        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 3), x_BS.shape[1:]))(keys_B)
+        return jnp.where(a > 0, c / jnp.where(a > 0, a, 1.0) + g, c)
+    score = jax.lax.cond(jnp.any(a > 0), noisy, lambda _: c, None)
+    return cand, masked & (rank_desc(score) < k_B[:, None])

@@ -71,7 +71,8 @@ def _shard_kw(mesh, kv_shape):
 
 
 class Attention(nn.Module):
-    """Bidirectional multi-head attention with GQA, optional per-head q/k RMSNorm, and RoPE.
+    """Bidirectional multi-head attention with GQA, optional q/k/v biases (cfg.qkv_bias), optional
+    per-head q/k RMSNorm, and RoPE.
 
     __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None,
              key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLKH, v_BLKH)).
@@ -99,6 +100,11 @@ class Attention(nn.Module):
         q = jnp.einsum("bsd,dnh->bsnh", x_BSD, wq)
         k = jnp.einsum("bsd,dkh->bskh", x_BSD, wk)
         v = jnp.einsum("bsd,dkh->bskh", x_BSD, wv)
+        if c.qkv_bias:
+            zeros = nn.initializers.zeros
+            q = q + param(self, "q_bias", (N, H), ("heads", "head_dim"), self.dtype, zeros).astype(q.dtype)
+            k = k + param(self, "k_bias", (K, H), ("kv_heads", "head_dim"), self.dtype, zeros).astype(k.dtype)
+            v = v + param(self, "v_bias", (K, H), ("kv_heads", "head_dim"), self.dtype, zeros).astype(v.dtype)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)

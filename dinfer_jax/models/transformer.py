@@ -1,4 +1,4 @@
-"""The decoder stack shared by every family (LLaDA dense, LLaDA-MoE, LLaDA2.x).
+"""The decoder stack shared by every family (LLaDA dense, LLaDA-MoE, LLaDA2.x, Dream).
 
 Attention is full bidirectional or block-causal (cfg.attention_mask; block size
 `attention_block`, default cfg.block_size). MoE models may lead with `first_k_dense` dense-FFN
@@ -17,6 +17,7 @@ Param tree (shapes; L_ = layers):
   layers/attn_norm/scale (L_, D)          layers/mlp_norm/scale (L_, D)
   layers/attn/{q,k,v}_proj (L_, D, N|K, H) layers/attn/o_proj (L_, N, H, D)
   layers/attn/{q,k}_norm/scale (L_, H)     (qk_norm only)
+  layers/attn/q_bias (L_, N, H), {k,v}_bias (L_, K, H)   (qkv_bias only)
   layers/mlp/{gate,up}_proj (L_, D, F), down_proj (L_, F, D)               (dense)
   layers/mlp/router (L_, D, E), {gate,up}_proj (L_, E, D, F), down_proj (L_, E, F, D)   (MoE)
   layers/mlp/router_bias (L_, E)   (sigmoid_group router)
