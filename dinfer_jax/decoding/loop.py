@@ -111,7 +111,8 @@ class DecodeSpec:
 
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
-         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens")
+         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens",
+         "confidence_before_filter")
 
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):

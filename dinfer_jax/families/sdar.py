@@ -46,7 +46,8 @@ DECODING [C2]: SDAR's generate() is LLaDA2.0's block rule on our block loop (cac
       are at least n_s of them, else the top-n_s by p  == our threshold=t with steps;
     low_confidence_static: the top-n_s by p  == our threshold >= 1.0 (p > 1 never holds) with steps;
   a block ends when it has no mask; after a block, generation stops if any stop id is in the
-  generated part. Exact mapping: SamplingParams(cache="block", block_length=B, steps=denoising_steps,
+  generated part (generation_config's list: EOS and <|im_end|>; our block loop stops on EOS and on
+  ModelConfig.eot_token_id = <|im_end|>, and outputs are cut before the first of them). Exact mapping: SamplingParams(cache="block", block_length=B, steps=denoising_steps,
   threshold=confidence_threshold (or 1.0 for static), temperature, top_k, top_p).
 Known differences (documented, not reproduced):
   - when fewer masks remain than n_s (only possible with n_s > 1, i.e. denoising_steps < block_length,
@@ -54,13 +55,14 @@ Known differences (documented, not reproduced):
     too and overwrites them with the fresh sample; huggingface_bd3.py keeps them (x0 = where(mask,
     x0, x)), which is what we do (top-min(n_s, #masked));
   - huggingface_bd3.py takes the confidence p from the temperature-scaled softmax BEFORE top-k/top-p
-    (its eval config: temperature 1, top_k 1 = greedy with the plain softmax probability, i.e. our
-    temperature 0); generate.py and we take it from the filtered softmax (identical at temperature 0);
+    (its eval config: temperature 1, top_k 1 = greedy with the plain softmax probability), generate.py
+    from the filtered softmax: both are built, SamplingParams.confidence_before_filter=True / False
+    (identical at temperature 0; tests/test_sdar.py checks that temperature 1, top_k 1 with the knob
+    decodes exactly as temperature 0);
   - denoising_steps > block_length: generate.py's schedule gives 0 tokens at later steps; ours
     commits at least num_to_transfer (1) per step (the evaluation code asserts B % steps == 0);
-  - the stop test: SDAR stops after a block holding EOS or <|im_end|> (generation_config's list); our
-    loop early-stops on EOS (151643) only, and every output is cut at the first EOS or end-of-turn
-    (<|im_end|> = eot_token_id), so tokens agree and only forwards after <|im_end|> are extra;
+  - the returned tokens: SDAR returns the whole canvas (prompt, stop ids and anything after them in
+    the last block); we return the generated part cut before the first stop id;
   - forwards: SDAR stores a finished block's K/V with one extra forward on the clean block; our loop
     computes them inside the next block's first forward ([previous | current] window), so a block
     costs one forward less and NFE counts the decoder steps only.
