@@ -71,6 +71,7 @@ def test_real_configs_read_as_presets_with_published_sizes():
     assert (cfg.attention_mask, cfg.block_size, cfg.qk_norm, cfg.rotary) == ("block_causal", 4, True, 128)
     assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.eot_token_id) == (151669, 151643, 151643, 151645)
     assert cfg.stop_ids == {151643, 151645}
+    assert from_hf_dict({k: v for k, v in SDAR_8B.items() if k != "block_size"}) == preset("sdar-8b")
     moe = from_hf_dict(SDAR_MOE)
     assert moe == preset("sdar-30b-a3b")
     assert moe.router == "softmax" and moe.norm_topk_prob and round(moe.num_params / 1e9, 1) == 30.5

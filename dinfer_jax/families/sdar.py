@@ -96,7 +96,8 @@ def read_config(hf, ids_for_vocab, where) -> ModelConfig:
     N = int(need(hf, "num_attention_heads", where=where))
     H = int(hf.get("head_dim") or D // N)
     V = int(need(hf, "vocab_size", where=where))
-    block = hf.get("block_size", BLOCK_SIZE)
+    block = hf.get("block_size")
+    block = BLOCK_SIZE if block is None else block  # absent in one 8B config copy [C1]: the default 4
     if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
         raise ConfigError(f"{where}: block_size={block!r} must be a positive integer (SDAR's attention block)")
     moe = {}
