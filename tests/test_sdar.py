@@ -370,3 +370,24 @@ def test_confidence_before_filter_on_hand_built_logits():
 def jax_keys(n):
     import jax
     return jax.vmap(jax.random.key)(jnp.arange(n, dtype=jnp.uint32))
+
+
+@pytest.mark.smoke
+def test_real_folder_side_files_give_sdar_ids(tmp_path):
+    """A folder with SDAR-4B-Chat's config.json and generation_config.json (eos list [<|im_end|>,
+    <|endoftext|>], pad 151643): config.json's EOS wins, <|im_end|> is the end-of-turn id."""
+    (tmp_path / "config.json").write_text(json.dumps(SDAR_4B))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+         "temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+    cfg = load_hf_config(tmp_path)
+    assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.eot_token_id) == (151669, 151643, 151643, 151645)
+    no_mask = {k: v for k, v in SDAR_4B.items() if k != "mask_token_id"}
+    (tmp_path / "config.json").write_text(json.dumps(no_mask))
+    assert load_hf_config(tmp_path).mask_token_id == 151669  # the family default (<MASK>)
+    # A small SDAR-format checkpoint without mask_token_id: the <MASK> token of tokenizer.json (the
+    # family default 151669 does not fit its vocabulary).
+    tiny = {k: v for k, v in _tiny_hf_config(CFG_DENSE).items() if k != "mask_token_id"}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 120, "content": "<MASK>"}]}))
+    assert load_hf_config(tmp_path).mask_token_id == 120
