@@ -275,7 +275,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     return families.get(cfg.family).write_config(cfg)
 
 
-MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]")
+MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]", "<MASK>")
 
 
 def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:

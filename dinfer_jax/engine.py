@@ -55,6 +55,7 @@ _RULES = {
     "top_k": (_INT, 0, True, None, False),
     "top_p": (_FLOAT, 0.0, False, 1.0, True),
     "ignore_eos": (_BOOL,),
+    "confidence_before_filter": (_BOOL,),
     "min_tokens": (_INT, 0, True, None, False),
     "alg_temp": (_FLOAT, 0.0, True, None, False),
     "eps": (_FLOAT, 0.0, True, 1.0, False),
@@ -133,6 +134,10 @@ class SamplingParams:
     num_to_transfer: int = 1  # M2T: at least this many masks per step (the most probable)
     top_k: int = 0  # temperature > 0: keep the k most probable tokens (0: all)
     top_p: float = 1.0  # temperature > 0: nucleus (1.0: off)
+    # temperature > 0: a position's confidence is the drawn token's probability under the
+    # temperature-scaled softmax BEFORE top-k / top-p (SDAR's evaluation sampler,
+    # huggingface_bd3.py); False: under the filtered softmax (LLaDA2, SDAR's generate.py).
+    confidence_before_filter: bool = False
     # LLaDA2.2 insert/delete editing (SGLang's JointThresholdInDel; block_loop.indel_step): greedy;
     # editing_threshold None means SGLang's edit_threshold 0; needs a model with DELETE/SPLIT ids.
     indel: bool = False
@@ -204,7 +209,8 @@ class SamplingParams:
                 raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) applies to block diffusion "
                                             f"only (cache='block'), not cache={self.cache!r}")
             sampling = (("top_k", 0), ("top_p", 1.0)) if self.strategy != DREAM else ()
-            for name, off in (("editing_threshold", None), ("num_to_transfer", 1)) + sampling:
+            for name, off in (("editing_threshold", None), ("num_to_transfer", 1),
+                              ("confidence_before_filter", False)) + sampling:
                 if getattr(self, name) != off:
                     also = " or strategy 'dream'" if name in ("top_k", "top_p") else ""
                     raise InvalidParam(name, f"{name}={getattr(self, name)} applies to block diffusion only "

@@ -293,3 +293,37 @@ def dream_logits(model, ids: np.ndarray, keep: np.ndarray | None = None) -> np.n
     add = torch.zeros(B, 1, L, L).masked_fill(~allowed, -1e30)
     with torch.no_grad():
         return model(input_ids=ids_t, attention_mask=add, position_ids=pos).logits.float().numpy()
+
+
+# --------------------------------------------------------------------------------------------- SDAR
+# SDAR  <->  Qwen3ForCausalLM (dense) / Qwen3MoeForCausalLM (MoE): SDAR's network IS Qwen3's, same
+# tensor names (dinfer_jax/families/sdar.py); only the attention mask differs, imposed here as an
+# explicit block-causal 4-D additive mask (`block_causal_logits`).
+
+
+def qwen3_reference(cfg: ModelConfig, seed: int = 0):
+    """A transformers Qwen3ForCausalLM with cfg's shapes (tied embeddings allowed) and random weights."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    hf = Qwen3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=False, use_sliding_window=False, attn_implementation="eager")
+    assert cfg.rotary == cfg.head_dim and cfg.qk_norm and not cfg.is_moe
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(hf).eval()
+    _randomize(model, seed)
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def sdar_state_dict(model, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Qwen3 / Qwen3Moe state dict -> SDAR HF names (the same names; experts per expert; a tied LM
+    head is not stored, as save_pretrained does)."""
+    sd = llada_moe_state_dict(model) if cfg.is_moe else {k: v.clone() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd

@@ -31,8 +31,9 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   M2T from the same forward.
   A block ends when it has no mask (no editing), or (editing) when a forward on the fully
   unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
-Early stop: when a block ends holding EOS in its generated part, the row stops and the rest of its
-generation region is filled with EOS.
+Early stop: when a block ends holding EOS in its generated part, or the model's end-of-turn id
+(ModelConfig.eot_token_id, e.g. SDAR's <|im_end|>; not for rows with ignore_eos), the row stops and
+the rest of its generation region is filled with EOS.
 
 LLaDA2.2 insert/delete editing (spec.indel; `indel_step`, `indel_rebuild`), following SGLang's
 `python/sglang/srt/dllm/algorithm/joint_threshold_indel.py` (JointThresholdInDel, the revision the
@@ -84,7 +85,10 @@ def sample_tokens(logits_BSV, knobs, keys_B):
     """-> (v_BS int32, p_BS fp32): LLaDA2's sampler. Rows with temperature 0 take the argmax and
     its softmax probability; others divide by T, keep the top_k (0: all) and the smallest set of
     most probable tokens whose cumulative probability exceeds top_p (the first always kept), and
-    draw one token (Gumbel-max); p is its probability under the filtered softmax."""
+    draw one token (Gumbel-max); p is its probability under the filtered softmax, or, for rows with
+    knob confidence_before_filter > 0 (SDAR's evaluation sampler), under the temperature-scaled
+    softmax before top-k / top-p (so temperature 1 with top_k 1 is greedy decoding with the plain
+    softmax confidence)."""
     l = logits_BSV.astype(jnp.float32)
     T = knobs["temperature"][:, None, None]
     greedy = T <= 0
@@ -104,12 +108,14 @@ def sample_tokens(logits_BSV, knobs, keys_B):
         cut = jnp.take_along_axis(srt, jnp.clip(keep_n - 1, 0, V - 1), axis=-1)
         lt = jnp.where((top_p < 1.0) & (lt < cut), -jnp.inf, lt)
         g = jax.vmap(lambda key: jax.random.gumbel(key, l.shape[1:], jnp.float32))(keys_B)
-        return jnp.where(greedy, l, lt), jnp.where(greedy, l, lt + g)
+        return jnp.where(greedy, l, lt), jnp.where(greedy, l, lt + g), l / jnp.where(greedy, 1.0, T)
 
-    lt, scores = jax.lax.cond(jnp.any(~greedy), filtered, lambda _: (l, l), None)
+    lt, scores, raw = jax.lax.cond(jnp.any(~greedy), filtered, lambda _: (l, l, l), None)
     v = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-    picked = jnp.take_along_axis(lt, v[..., None], axis=-1)[..., 0]
-    p = jnp.exp(picked - jax.nn.logsumexp(lt, axis=-1))
+    prob = lambda a: jnp.exp(jnp.take_along_axis(a, v[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(a, axis=-1))
+    p = prob(lt)
+    if knobs.get("confidence_before_filter") is not None:
+        p = jnp.where((knobs["confidence_before_filter"] > 0)[:, None], prob(raw), p)
     return v, p
 
 
@@ -352,6 +358,12 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             finished = active & ~any_mask_after
         has_eos = (jnp.any((new_blk == spec.eos_id) & in_gen, axis=-1) if spec.early_stop
                    else jnp.zeros((B,), bool))
+        if spec.early_stop and cfg.eot_token_id is not None and cfg.eot_token_id != spec.eos_id:
+            # The model's end-of-turn id also ends a row (rows without ignore_eos): outputs are cut at
+            # the first stop id anyway, and under block-causal attention later blocks never change
+            # earlier ones, so this only saves forwards (SDAR stops on its EOS list the same way).
+            has_eot = jnp.any((new_blk == cfg.eot_token_id) & in_gen, axis=-1)
+            has_eos |= has_eot & (knobs["ignore_eos"] <= 0)
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
         x = jnp.where(fill, spec.eos_id, x)

@@ -141,7 +141,7 @@ class DecodeSpec:
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
          "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens",
-         "alg_temp", "eps")
+         "alg_temp", "eps", "confidence_before_filter")
 # Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
 # a multiple of the block; continuous batches mix lengths in one program, generate() does not).
 ROW_KNOBS = KNOBS + ("gen_length",)

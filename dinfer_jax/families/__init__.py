@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Mapping
 
-_MODULES = ("llada", "llada_moe", "llada2", "dream")
+_MODULES = ("llada", "llada_moe", "llada2", "dream", "sdar")
 
 
 @dataclasses.dataclass(frozen=True)
