@@ -95,3 +95,34 @@ def fused_groups(entries: list[Entry]) -> list[list[Entry]]:
                 raise AssertionError(f"fused tensor {g[0].hf}: row ranges {[e.rows for e in g]} do not tile it")
         out.append(g)
     return out
+
+
+def decoder_entries(cfg: ModelConfig) -> list[Entry]:
+    """The Llama / Qwen2 / Qwen3 / Qwen3-MoE tensor names (`model.layers.{l}.self_attn.q_proj`, ...),
+    shared by the families that keep them: q/k/v biases when cfg.qkv_bias, per-head q/k norms when
+    cfg.qk_norm, `mlp.gate` + `mlp.experts.{e}.*` when cfg.is_moe (else a dense `mlp.*`), and
+    `lm_head` unless the embeddings are tied."""
+    L = "model.layers.{l}."
+    out = [
+        Entry("embed/embedding", "model.embed_tokens.weight"),
+        Entry("final_norm/scale", "model.norm.weight"),
+        Entry("layers/attn_norm/scale", L + "input_layernorm.weight", ("l",)),
+        Entry("layers/mlp_norm/scale", L + "post_attention_layernorm.weight", ("l",)),
+        Entry("layers/attn/o_proj", L + "self_attn.o_proj.weight", ("l",), 2),
+    ]
+    for p in "qkv":
+        out.append(Entry(f"layers/attn/{p}_proj", L + f"self_attn.{p}_proj.weight", ("l",), 1))
+        if cfg.qkv_bias:
+            out.append(Entry(f"layers/attn/{p}_bias", L + f"self_attn.{p}_proj.bias", ("l",), hf_flat=True))
+    if cfg.qk_norm:
+        out += [Entry("layers/attn/q_norm/scale", L + "self_attn.q_norm.weight", ("l",)),
+                Entry("layers/attn/k_norm/scale", L + "self_attn.k_norm.weight", ("l",))]
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    if cfg.is_moe:
+        out.append(Entry("layers/mlp/router", L + "mlp.gate.weight", ("l",), 1))
+        out += [Entry(f"layers/mlp/{p}", L + f"mlp.experts.{{e}}.{p}.weight", ("l", "e"), 1) for p in mlp]
+    else:
+        out += [Entry(f"layers/mlp/{p}", L + f"mlp.{p}.weight", ("l",), 1) for p in mlp]
+    if not cfg.tie_word_embeddings:
+        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
+    return out

@@ -12,7 +12,7 @@ logits (tests/test_dream.py checks ours against it).
 """
 from __future__ import annotations
 
-from converters.mappings import Entry
+from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
 from dinfer_jax.families import Family
 
@@ -61,23 +61,8 @@ def write_config(cfg: ModelConfig) -> dict:
 
 
 def weights(cfg: ModelConfig) -> list[Entry]:
-    L = "model.layers.{l}."
-    out = [
-        Entry("embed/embedding", "model.embed_tokens.weight"),
-        Entry("final_norm/scale", "model.norm.weight"),
-        Entry("layers/attn_norm/scale", L + "input_layernorm.weight", ("l",)),
-        Entry("layers/mlp_norm/scale", L + "post_attention_layernorm.weight", ("l",)),
-        Entry("layers/attn/o_proj", L + "self_attn.o_proj.weight", ("l",), 2),
-        Entry("layers/mlp/gate_proj", L + "mlp.gate_proj.weight", ("l",), 1),
-        Entry("layers/mlp/up_proj", L + "mlp.up_proj.weight", ("l",), 1),
-        Entry("layers/mlp/down_proj", L + "mlp.down_proj.weight", ("l",), 1),
-    ]
-    for p in "qkv":
-        out += [Entry(f"layers/attn/{p}_proj", L + f"self_attn.{p}_proj.weight", ("l",), 1),
-                Entry(f"layers/attn/{p}_bias", L + f"self_attn.{p}_proj.bias", ("l",), hf_flat=True)]
-    if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
-    return out
+    """Qwen2 names with q/k/v biases (reference §13.2)."""
+    return decoder_entries(cfg)
 
 
 # Qwen's ChatML turn format. A model folder's own chat_template (tokenizer_config.json) always wins.

@@ -3,7 +3,7 @@ converter reads as per-expert names), Qwen3-MoE-style names, softmax top-k route
 RMSNorm, full bidirectional attention. Facts: shared/reference/models.md (B)."""
 from __future__ import annotations
 
-from converters.mappings import Entry
+from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, partial_rotary_factor, rope_theta
 from dinfer_jax.families import Family
 
@@ -54,27 +54,8 @@ def write_config(cfg: ModelConfig) -> dict:
 
 
 def weights(cfg: ModelConfig) -> list[Entry]:
-    L = "model.layers.{l}."
-    out = [
-        Entry("embed/embedding", "model.embed_tokens.weight"),
-        Entry("final_norm/scale", "model.norm.weight"),
-        Entry("layers/attn_norm/scale", L + "input_layernorm.weight", ("l",)),
-        Entry("layers/mlp_norm/scale", L + "post_attention_layernorm.weight", ("l",)),
-        Entry("layers/attn/q_proj", L + "self_attn.q_proj.weight", ("l",), 1),
-        Entry("layers/attn/k_proj", L + "self_attn.k_proj.weight", ("l",), 1),
-        Entry("layers/attn/v_proj", L + "self_attn.v_proj.weight", ("l",), 1),
-        Entry("layers/attn/o_proj", L + "self_attn.o_proj.weight", ("l",), 2),
-        Entry("layers/mlp/router", L + "mlp.gate.weight", ("l",), 1),
-        Entry("layers/mlp/gate_proj", L + "mlp.experts.{e}.gate_proj.weight", ("l", "e"), 1),
-        Entry("layers/mlp/up_proj", L + "mlp.experts.{e}.up_proj.weight", ("l", "e"), 1),
-        Entry("layers/mlp/down_proj", L + "mlp.experts.{e}.down_proj.weight", ("l", "e"), 1),
-    ]
-    if cfg.qk_norm:
-        out += [Entry("layers/attn/q_norm/scale", L + "self_attn.q_norm.weight", ("l",)),
-                Entry("layers/attn/k_norm/scale", L + "self_attn.k_norm.weight", ("l",))]
-    if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
-    return out
+    """Qwen3-MoE tensor names (models.md B)."""
+    return decoder_entries(cfg)
 
 
 CHAT_TEMPLATE = (

@@ -70,7 +70,7 @@ Known differences (documented, not reproduced):
 """
 from __future__ import annotations
 
-from converters.mappings import Entry
+from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
 from dinfer_jax.families import Family
 
@@ -145,28 +145,7 @@ def write_config(cfg: ModelConfig) -> dict:
 
 def weights(cfg: ModelConfig) -> list[Entry]:
     """Qwen3 / Qwen3-MoE tensor names [C1, C3]."""
-    L = "model.layers.{l}."
-    out = [
-        Entry("embed/embedding", "model.embed_tokens.weight"),
-        Entry("final_norm/scale", "model.norm.weight"),
-        Entry("layers/attn_norm/scale", L + "input_layernorm.weight", ("l",)),
-        Entry("layers/mlp_norm/scale", L + "post_attention_layernorm.weight", ("l",)),
-        Entry("layers/attn/q_proj", L + "self_attn.q_proj.weight", ("l",), 1),
-        Entry("layers/attn/k_proj", L + "self_attn.k_proj.weight", ("l",), 1),
-        Entry("layers/attn/v_proj", L + "self_attn.v_proj.weight", ("l",), 1),
-        Entry("layers/attn/o_proj", L + "self_attn.o_proj.weight", ("l",), 2),
-        Entry("layers/attn/q_norm/scale", L + "self_attn.q_norm.weight", ("l",)),
-        Entry("layers/attn/k_norm/scale", L + "self_attn.k_norm.weight", ("l",)),
-    ]
-    if cfg.is_moe:
-        out.append(Entry("layers/mlp/router", L + "mlp.gate.weight", ("l",), 1))
-        out += [Entry(f"layers/mlp/{p}", L + f"mlp.experts.{{e}}.{p}.weight", ("l", "e"), 1)
-                for p in ("gate_proj", "up_proj", "down_proj")]
-    else:
-        out += [Entry(f"layers/mlp/{p}", L + f"mlp.{p}.weight", ("l",), 1) for p in ("gate_proj", "up_proj", "down_proj")]
-    if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
-    return out
+    return decoder_entries(cfg)
 
 
 # Qwen3 ChatML [C1 chat_template.jinja, its plain-message path; tools and <think> handling are in the
