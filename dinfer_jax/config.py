@@ -276,6 +276,8 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
 
 
 MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]", "<MASK>")
+# End-of-turn tokens: Llama-3's (LLaDA) and ChatML's (Qwen: Dream, DiffuCoder, SDAR, Fast-dLLM v2).
+EOT_TOKEN_NAMES = ("<|eot_id|>", "<|im_end|>")
 
 
 def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
@@ -319,8 +321,10 @@ def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
         if tok in added:
             out.setdefault("mask_token_id", added[tok])
             break
-    if "<|eot_id|>" in added:
-        out.setdefault("eot_token_id", added["<|eot_id|>"])
+    for tok in EOT_TOKEN_NAMES:
+        if tok in added and added[tok] != out.get("eos_token_id"):
+            out.setdefault("eot_token_id", added[tok])
+            break
     return out
 
 

@@ -111,8 +111,15 @@ def test_special_ids_come_from_the_folder_files(tmp_path):
                                                                 "pad_token": {"content": "<|pad|>"}}))
     cfg = load_hf_config(tmp_path)
     assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id) == (121, 120, 122)
+    assert cfg.eot_token_id is None
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [119, 120]}))
     assert load_hf_config(tmp_path).eos_token_id == 119
+    # ChatML's end of turn (Qwen folders) is an end-of-turn id like Llama-3's <|eot_id|>
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [
+        {"id": 120, "content": "<|endoftext|>"}, {"id": 121, "content": "<|mdm_mask|>"},
+        {"id": 117, "content": "<|im_end|>"}]}))
+    cfg = load_hf_config(tmp_path)
+    assert cfg.eot_token_id == 117 and cfg.stop_ids == {119, 117}
     hf["mask_token_id"] = 5
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert load_hf_config(tmp_path).mask_token_id == 5

@@ -5,6 +5,14 @@ q/k/v projections WITH biases, o_proj without), run with full bidirectional atte
 AR-style head: the logits that decode position i are the raw output row i - 1 (`logit_shift=1`).
 Facts: shared/reference/llada2_and_dream.md §13 (config §13.1, state dict §13.2, forward §13.3,
 shift §13.4, sampler §13.5; DiffuCoder §13.6 shares the architecture and, assumed, the sampler).
+DiffuCoder's sampler, what is public [apple/ml-diffucoder @ f735e01, inference_demo.py and README]:
+it is called as `model.diffusion_generate(input_ids, attention_mask, max_new_tokens, steps,
+temperature, top_p, alg, alg_temp)`, Dream's argument set, with alg "entropy", alg_temp 0,
+temperature 0.2-0.4, top_p 0.95 and steps = max_new_tokens (one token per step); the Instruct
+model's answer is the text before the first `<|dlm_pad|>` (its padding token; the Base model's
+before EOS). Here: strategy="dream", alg="entropy"; the answer is cut at EOS or at the folder's
+end-of-turn token (`<|im_end|>` found in tokenizer.json: ModelConfig.eot_token_id), the chat
+turn's end. Its generation_utils.py itself was not read.
 
 The HF files are remote code (no AutoModelForCausalLM); their names are Qwen2's, so a transformers
 `Qwen2ForCausalLM` with the same weights and an explicit bidirectional 4-D mask computes the same
