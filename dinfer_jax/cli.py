@@ -174,8 +174,9 @@ def _block_flags(a) -> dict:
     for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p"):
         if getattr(a, name) is not None:
             out[name] = getattr(a, name)
-    if getattr(a, "indel", False):
-        out["indel"] = True
+    for name in ("indel", "confidence_before_filter"):
+        if getattr(a, name, False):
+            out[name] = True
     out.setdefault("threshold", 0.9)
     return out
 
@@ -499,6 +500,9 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     b.add_argument("--indel", action="store_true",
                    help="LLaDA2.2 insert/delete editing (SGLang JointThresholdInDel; greedy; SGLang's defaults: "
                         "--edit-mode speed)")
+    b.add_argument("--confidence-before-filter", action="store_true",
+                   help="with --temperature > 0: a token's confidence is its probability under the tempered "
+                        "softmax before --top-k/--top-p (SDAR's evaluation sampler); default: after")
 
 
 def _add_scale_flags(p):

@@ -10,8 +10,8 @@ Streaming requests select the program variant with a per-iteration host callback
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k, indel (OpenAI clients pass them with `extra_body=`); top_p is
-OpenAI's own field.
+max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter (OpenAI clients pass them
+with `extra_body=`); top_p is OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 
 Bounds and lifetimes: every knob that sets work (max_tokens, steps, max_post_steps) has a server
@@ -91,6 +91,7 @@ class DinferFields(BaseModel):
     num_to_transfer: Optional[int] = None
     top_k: Optional[int] = None
     indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
+    confidence_before_filter: Optional[bool] = None  # SDAR's evaluation sampler: p before top-k/top-p
     # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = None

@@ -386,3 +386,6 @@ def test_indel_validation(model, indel_model):
     assert cli._block_flags(ap.parse_args(["--cache", "block", "--indel", "--edit-mode", "speed"])) == dict(
         threshold=0.5, editing_threshold=0.0, max_post_steps=16, indel=True)
     assert "indel" not in cli._block_flags(ap.parse_args([])) and "indel" in DinferFields.model_fields
+    assert cli._block_flags(ap.parse_args(["--cache", "block", "--confidence-before-filter"]))[
+        "confidence_before_filter"] is True
+    assert "confidence_before_filter" in DinferFields.model_fields
