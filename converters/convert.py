@@ -18,6 +18,8 @@ from converters.safetensors_io import write_file
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.config import to_hf_dict
+from dinfer_jax.models.quant import SCALE_SUFFIX, check_kind, quant_dims
+from dinfer_jax.models.quant import quantize as quantize_weight
 
 
 def _same_or_inside(a: str, b: str) -> bool:
@@ -25,11 +27,17 @@ def _same_or_inside(a: str, b: str) -> bool:
     return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
 
 
-def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False) -> dict:
+def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False,
+            quantize: str | None = None) -> dict:
     """HF folder -> dinfer-jax checkpoint, one layer slab in memory at a time, written atomically.
 
-    Returns {path: shape} of the written params.
+    quantize: None, "int8" or "fp8": the attention projections, dense / shared / expert MLP weights
+    and the LM head are stored quantized (models/quant.py; values + `path@scale` leaves, metadata
+    in the manifest), quantized slab by slab from the source's precision; the other params are
+    cast to `dtype`. Returns {path: shape} of the written params.
     """
+    if quantize is not None:
+        check_kind(quantize)
     src = ckpt.check_model_folder(src, "source folder")
     check_destination(dst, overwrite)
     if _same_or_inside(src, dst):
@@ -40,11 +48,21 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
             hf_config = json.load(f)
         with atomic_folder(dst, overwrite) as tmp:
             writer = ckpt.CheckpointWriter(tmp)
-            for path, layer, arr in iter_params(cfg, source, dtype, progress):
+            quantization = {}
+            for path, layer, arr in iter_params(cfg, source, None if quantize else dtype, progress):
+                dims = quant_dims(path) if quantize else None
+                if quantize and dims is None and dtype is not None:
+                    arr = arr.astype(dtype)
                 with sigint_deferred():  # Ctrl-C between slabs, never inside orbax's threaded save
-                    writer.add(path, layer, arr)
+                    if dims is None:
+                        writer.add(path, layer, arr)
+                    else:
+                        qw = quantize_weight(arr, quantize, *dims)
+                        writer.add(path, layer, qw.q)
+                        writer.add(path + SCALE_SUFFIX, layer, qw.scale)
+                        quantization[path] = {"kind": quantize, "n_in": dims[0], "n_out": dims[1]}
                 del arr
-            writer.finish(hf_config, src)
+            writer.finish(hf_config, src, quantization)
     finally:
         source.close()
     return {p: s["shape"] for p, s in writer.specs.items()}
@@ -62,6 +80,9 @@ def export(src: str, dst: str, progress: bool = True, overwrite: bool = False):
         raise ValueError(f"destination {dst!r} and source {src!r} overlap; pick another destination")
     cfg = ckpt.read_config(src)
     man = ckpt.read_manifest(src)
+    if man.get("quantization"):
+        raise ValueError(f"{src}: a quantized checkpoint cannot be exported to Hugging Face format; export the "
+                         f"unquantized checkpoint")
     with atomic_folder(dst, overwrite) as tmp:
         _export_into(src, tmp, cfg, man, progress)
 

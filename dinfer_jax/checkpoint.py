@@ -1,7 +1,11 @@
 """The dinfer-jax checkpoint folder.
 
   config.json            the model's Hugging Face config (ModelConfig is derived from it)
-  dinfer_jax.json        {"format": "dinfer-jax", "version": 1, "params": {path: {shape, dtype}}}
+  dinfer_jax.json        {"format": "dinfer-jax", "version": 1, "params": {path: {shape, dtype}},
+                          "quantization": {path: {"kind": "int8"|"fp8", "n_in", "n_out"}}}
+                         ("quantization" only in a quantized checkpoint: `path` then holds the
+                         int8 / float8_e4m3fn values and `path@scale` their fp32 scales, see
+                         models/quant.py; loading packs the two into a QuantizedWeight)
   params/<path>/layer_NNNN/  one orbax checkpoint per layer slab of a layer-stacked parameter
   params/<path>/all/     one orbax checkpoint for an unstacked parameter   ('/' in path -> '.')
   tokenizer files        copied from the source folder when present
@@ -92,13 +96,17 @@ class CheckpointWriter:
             spec["layers"] += 1
             spec["shape"][0] = spec["layers"]
 
-    def finish(self, hf_config: dict, source_folder: str | None = None):
+    def finish(self, hf_config: dict, source_folder: str | None = None, quantization: dict | None = None):
+        """quantization: {path: {"kind", "n_in", "n_out"}} of the quantized params (models/quant.py)."""
         if jax.process_index() != 0:  # one writer of the small files on a shared filesystem
             return
         with open(os.path.join(self.folder, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
+        man = {"format": FORMAT, "version": VERSION, "params": self.specs}
+        if quantization:
+            man["quantization"] = quantization
         with open(os.path.join(self.folder, MANIFEST), "w") as f:
-            json.dump({"format": FORMAT, "version": VERSION, "params": self.specs}, f, indent=1)
+            json.dump(man, f, indent=1)
         if source_folder:
             copy_side_files(source_folder, self.folder)
 
@@ -114,7 +122,9 @@ def save_params(folder: str, params: dict, hf_config: dict, source_folder: str |
     "layers/" are written one layer slab at a time. Sharded jax.Arrays are saved sharded (each
     process writes its own shards; nothing is gathered to one host); every process must call this."""
     from dinfer_jax.models import flatten
+    from dinfer_jax.models.quant import unpack_flat
     flat = flatten(params) if any(isinstance(v, dict) for v in params.values()) else params
+    flat, quantization = unpack_flat(flat)
     w = CheckpointWriter(folder)
     for path, arr in flat.items():
         if not isinstance(arr, jax.Array):
@@ -124,7 +134,7 @@ def save_params(folder: str, params: dict, hf_config: dict, source_folder: str |
                 w.add(path, i, arr[i])
         else:
             w.add(path, None, arr)
-    w.finish(hf_config, source_folder)
+    w.finish(hf_config, source_folder, quantization)
 
 
 def _slab_dir(folder: str, path: str, layer: int | None) -> str:
@@ -140,6 +150,11 @@ def read_manifest(folder: str) -> dict:
     if not isinstance(man.get("params"), dict) or not all(
             isinstance(v, dict) and {"shape", "dtype", "layers"} <= set(v) for v in man["params"].values()):
         raise ConfigError(f"{path}: its \"params\" entry is malformed; the checkpoint is damaged, convert it again")
+    for p, m in (man.get("quantization") or {}).items():
+        if (not isinstance(m, dict) or m.get("kind") not in ("int8", "fp8") or p not in man["params"]
+                or p + "@scale" not in man["params"]):
+            raise ConfigError(f"{path}: quantization entry {p!r} is malformed or its values / scale leaf is "
+                              f"missing; the checkpoint is damaged, convert it again")
     return man
 
 
@@ -185,9 +200,19 @@ def read_param(folder: str, path: str, sharding=None, dtype=None, manifest: dict
 
 
 def read_params(folder: str, dtype=None, shardings: dict | None = None) -> dict:
-    """Flat {path: array} of every parameter; `shardings` {path: Sharding} places each directly."""
+    """Flat {path: array | QuantizedWeight} of every parameter; `shardings` {path: Sharding}
+    places each directly (a quantized param's scale leaf under path@scale). `dtype` converts the
+    float params; quantized values and their fp32 scales are kept as stored."""
+    from dinfer_jax.models.quant import pack_flat
     man = read_manifest(folder)
-    return {p: read_param(folder, p, (shardings or {}).get(p), dtype, man) for p in man["params"]}
+    return pack_flat({p: read_param(folder, p, (shardings or {}).get(p), None if is_quantized_leaf(man, p) else dtype,
+                                    man) for p in man["params"]}, man.get("quantization"))
+
+
+def is_quantized_leaf(man: dict, path: str) -> bool:
+    """Whether a stored leaf is a quantized param's values or scale (kept in its stored dtype)."""
+    q = man.get("quantization") or {}
+    return path in q or (path.endswith("@scale") and path[:-len("@scale")] in q)
 
 
 # The built-in demo model (trained by `python -m dinfer_jax.train`, see README) ships inside the package.

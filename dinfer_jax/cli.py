@@ -1,6 +1,6 @@
 """The `dinfer-jax` command line.
 
-  dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32] [--overwrite]
+  dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32] [--quantize int8|fp8] [--overwrite]
   dinfer-jax export DIR HF_DIR [--overwrite]
       (both write a temporary sibling folder and rename it into place when complete)
   dinfer-jax info MODEL_DIR
@@ -53,7 +53,8 @@ def _np_dtype(name):
 def cmd_convert(a):
     from converters import convert
     t = time.perf_counter()
-    out = convert(a.src, a.dst, dtype=_np_dtype(a.dtype), progress=not a.quiet, overwrite=a.overwrite)
+    out = convert(a.src, a.dst, dtype=_np_dtype(a.dtype), progress=not a.quiet, overwrite=a.overwrite,
+                  quantize=a.quantize)
     print(f"wrote {len(out)} parameters to {a.dst} in {time.perf_counter() - t:.1f}s")
 
 
@@ -622,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", choices=DTYPES, default=None, help="cast params (default: keep the checkpoint's)")
+    c.add_argument("--quantize", default=None, metavar="int8|fp8",
+                   help="store the attention, MLP / expert and LM-head weights as int8 (per output channel) or "
+                        "fp8 e4m3 (128x128 block scales); dequantized inside the matmuls")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty DST_DIR whole")
     c.set_defaults(fn=cmd_convert)

@@ -60,7 +60,8 @@ class Model:
 
     @property
     def dtype(self):
-        return jax.tree_util.tree_leaves(self.params)[0].dtype
+        """The activations' dtype: the embedding table's (never quantized)."""
+        return self.params["embed"]["embedding"].dtype
 
     @functools.cached_property
     def module(self) -> Transformer:
@@ -134,13 +135,17 @@ def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: st
         cfg = ckpt.read_config(path)
         shd.check_mesh_fits(cfg, mesh)
         man = ckpt.read_manifest(path)
-        shardings = shd.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()})
+        shardings = shd.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()},
+                                        man.get("quantization"))
         flat = ckpt.read_params(path, dtype=dtype, shardings=shardings)
         return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh)
     if ckpt.is_checkpoint(path):  # one parameter at a time on host: peak = params + the largest one
         cfg = ckpt.read_config(path)
         man = ckpt.read_manifest(path)
-        flat = {p: jnp.asarray(ckpt.read_param(path, p, None, None, man), dtype=dtype) for p in man["params"]}
+        from dinfer_jax.models.quant import pack_flat
+        flat = pack_flat({p: jnp.asarray(ckpt.read_param(path, p, None, None, man),
+                                         dtype=None if ckpt.is_quantized_leaf(man, p) else dtype)
+                          for p in man["params"]}, man.get("quantization"))
     else:
         from converters.hf_import import load_hf_params
         cfg, host = load_hf_params(path, progress=progress)

@@ -153,14 +153,24 @@ def param_logical_axes(cfg) -> dict[str, tuple]:
     return {k: tuple(v) for k, v in flatten(specs).items()}
 
 
-def param_shardings(cfg, mesh: Mesh, shapes: dict | None = None) -> dict[str, NamedSharding]:
+def param_shardings(cfg, mesh: Mesh, shapes: dict | None = None,
+                    quantization: dict | None = None) -> dict[str, NamedSharding]:
     """{path: NamedSharding} for every param of `cfg` on `mesh`; ShardingError if the mesh does
-    not divide the experts, query heads or FFN dim."""
+    not divide the experts, query heads or FFN dim. quantization ({path: {kind, n_in, n_out}}, a
+    quantized checkpoint's manifest entry): the quantized values keep the weight's sharding and
+    `path@scale` gets quant.scale_axes of the weight's logical axes (non-strict: a block-scale dim
+    the mesh does not divide stays replicated)."""
     from dinfer_jax.models import abstract_params
+    from dinfer_jax.models.quant import SCALE_SUFFIX, scale_axes
     shapes = shapes or {k: v.shape for k, v in abstract_params(cfg).items()}
     axes = param_logical_axes(cfg)
-    return {k: NamedSharding(mesh, logical_spec(axes[k], tuple(shapes[k]), mesh, strict=True, what=k))
-            for k in axes}
+    out = {k: NamedSharding(mesh, logical_spec(axes[k], tuple(shapes[k]), mesh, strict=True, what=k))
+           for k in axes}
+    for k, m in (quantization or {}).items():
+        s_axes = scale_axes(axes[k], m["kind"], m["n_in"], m["n_out"])
+        s_shape = tuple(shapes[k + SCALE_SUFFIX])
+        out[k + SCALE_SUFFIX] = NamedSharding(mesh, logical_spec(s_axes, s_shape, mesh, what=k + SCALE_SUFFIX))
+    return out
 
 
 def check_mesh_fits(cfg, mesh: Mesh):
@@ -198,8 +208,17 @@ def to_host(x) -> np.ndarray:
 
 
 def shard_params(flat: dict, cfg, mesh: Mesh) -> dict:
-    """Flat {path: host array or jax.Array} -> flat {path: jax.Array} placed on `mesh`."""
-    shardings = param_shardings(cfg, mesh, {k: np.shape(v) for k, v in flat.items()})
+    """Flat {path: host array, jax.Array or QuantizedWeight} -> the same placed on `mesh`."""
+    from dinfer_jax.models.quant import pack_flat, unpack_flat
+    flat, quantization = unpack_flat(flat)
+    if quantization:
+        return pack_flat(_shard_leaves(flat, cfg, mesh, quantization), quantization)
+    return _shard_leaves(flat, cfg, mesh)
+
+
+def _shard_leaves(flat: dict, cfg, mesh: Mesh, quantization: dict | None = None) -> dict:
+    """shard_params for plain leaves (a quantized model's split into values and path@scale)."""
+    shardings = param_shardings(cfg, mesh, {k: np.shape(v) for k, v in flat.items()}, quantization)
     out = {}
     for k, v in flat.items():
         if isinstance(v, jax.Array) and not v.is_fully_addressable:

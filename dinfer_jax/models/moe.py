@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models.layers import MLP, param
+from dinfer_jax.models.quant import QuantizedWeight, expert_matmul, matmul, ragged_matmul
 from pallas_kernels.attention import target_platform
 from pallas_kernels.moe import swiglu_experts_gmm, swiglu_experts_tiled
 
@@ -104,8 +105,11 @@ def experts_dense(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD
     """All-experts reference. Returns y_TD = sum_x w_x * down_e(silu(gate_e x) * up_e x)."""
     E = w_gate_EDF.shape[0]
     combine_TE = jnp.sum(jax.nn.one_hot(experts_TX, E, dtype=jnp.float32) * weights_TX[..., None], axis=1)
-    h_TEF = nn.silu(jnp.einsum("td,edf->tef", x_TD, w_gate_EDF)) * jnp.einsum("td,edf->tef", x_TD, w_up_EDF)
-    y_TED = jnp.einsum("tef,efd->ted", h_TEF, w_down_EFD)
+    h_TEF = nn.silu(expert_matmul(x_TD, w_gate_EDF)) * expert_matmul(x_TD, w_up_EDF)
+    if isinstance(w_down_EFD, QuantizedWeight):
+        y_TED = jax.vmap(lambda h_TF, w: matmul(h_TF, w), in_axes=(1, 0), out_axes=1)(h_TEF, w_down_EFD)
+    else:
+        y_TED = jnp.einsum("tef,efd->ted", h_TEF, w_down_EFD)
     return jnp.einsum("ted,te->td", y_TED, combine_TE.astype(y_TED.dtype))
 
 
@@ -127,9 +131,9 @@ def experts_ragged(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
 
     def swiglu(x_sorted, flat_experts):
         group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-        g = jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_sizes)
-        u = jax.lax.ragged_dot(x_sorted, w_up_EDF, group_sizes)
-        return jax.lax.ragged_dot(nn.silu(g) * u, w_down_EFD, group_sizes)
+        g = ragged_matmul(x_sorted, w_gate_EDF, group_sizes)
+        u = ragged_matmul(x_sorted, w_up_EDF, group_sizes)
+        return ragged_matmul(nn.silu(g) * u, w_down_EFD, group_sizes)
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
@@ -190,6 +194,8 @@ class MoE(nn.Module):
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         impl = resolve_impl(self.impl, self.platform)
+        if impl == "pallas" and isinstance(wg, QuantizedWeight):
+            impl = "tiled"  # the Pallas gmm kernel takes float weights; the tiled scan dequantizes per tile
         fn = {"ragged": experts_ragged, "tiled": experts_tiled,
               "pallas": functools.partial(experts_pallas, platform=self.platform), "dense": experts_dense}[impl]
         if self.mesh is not None and self.mesh.size > 1:

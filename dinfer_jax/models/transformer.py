@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.models import quant
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
 from dinfer_jax.models.moe import MoE, reads_stacked_experts
 from dinfer_jax.sharding import constrain
@@ -194,4 +195,4 @@ class LMHead(nn.Module):
     @nn.compact
     def __call__(self, x_BSD):
         w = param(self, "kernel", (self.features_in, self.vocab), ("embed", "vocab"), self.dtype)
-        return jnp.einsum("bsd,dv->bsv", x_BSD, w)
+        return quant.einsum("bsd,dv->bsv", x_BSD, w)

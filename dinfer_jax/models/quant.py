@@ -1,0 +1,290 @@
+"""Weight-only quantization: a `QuantizedWeight` pytree and the one matmul the layers use.
+
+A weight of shape (lead..., in..., out...) (DESIGN.md letters: e.g. q_proj (D, N, H): in = D,
+out = N, H; o_proj (N, H, D): in = N, H; experts (E, D, F): lead = E, in = D; stacked layers add
+a leading L_) is stored as
+  q      the weight's shape, int8 or float8_e4m3fn;
+  scale  fp32:
+    int8  per output channel, symmetric: the weight's shape with the `in` dims set to 1;
+          scale = max|w| over the in dims / 127, q = round(w / scale) in [-127, 127].
+    fp8   per 128 x 128 block of the (K = prod(in), N = prod(out)) matrix, as LLaDA2.1 and
+          DeepSeek-V3 ship fp8: shape (lead..., ceil(K/128), ceil(N/128)); scale = max|w_block| / 448,
+          q = float8_e4m3fn(w / scale) (round to nearest even).
+A zero channel / block gets scale 1 (q = 0). `kind`, `n_in` (number of in dims) and `n_out`
+(number of out dims) are static pytree metadata, so slicing lead dims (nn.scan over layers,
+w[layer, e] in the expert loops) keeps a valid QuantizedWeight.
+
+`matmul(x, w)` contracts x's last n_in dims with w's in dims: y = x (..., in...) -> (..., out...).
+The dequantization happens INSIDE the matmul, one tile of output columns at a time (at most
+DEQUANT_TILE_ELEMS dequantized elements live at once): XLA:CPU does not fuse a convert into a
+dot, so `x @ q.astype(f32)` would materialise the whole weight in full precision (measured:
+temp bytes = the fp32 weight). Per column tile:
+  int8  y_tile = (x @ q_tile.astype(x.dtype)) * scale_tile (exact factorisation: the scale is
+        constant over the contraction);
+  fp8   w_tile = q_tile * scale expanded over its 128 x 128 blocks, y_tile = x @ w_tile
+        (tiles are a multiple of 128 columns so a tile never splits a block column). Scaling the
+        per-k-block partial products instead would need a (..., K/128, N) intermediate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KINDS = ("int8", "fp8")
+BLOCK = 128  # fp8 block edge
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127.0
+DEQUANT_TILE_ELEMS = 1 << 20  # at most this many dequantized weight elements per tile (4 MiB fp32)
+
+
+def check_kind(kind) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown --quantize {kind!r}; choose int8 or fp8")
+    return kind
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """q (lead..., in..., out...) int8 | float8_e4m3fn and its fp32 scale (module doc)."""
+    q: jax.Array
+    scale: jax.Array
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    n_in: int = dataclasses.field(metadata=dict(static=True))
+    n_out: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def ndim(self):
+        return len(self.q.shape)
+
+    @property
+    def n_lead(self) -> int:
+        return self.ndim - self.n_in - self.n_out
+
+    def __getitem__(self, idx):
+        """Index lead dims only (a layer, an expert): w[l, e] -> QuantizedWeight of that slice."""
+        n = len(idx) if isinstance(idx, tuple) else 1
+        if n > self.n_lead:
+            raise IndexError(f"QuantizedWeight: can only index its {self.n_lead} lead dims, got {n} indices")
+        return QuantizedWeight(self.q[idx], self.scale[idx], self.kind, self.n_in, self.n_out)
+
+    def __rmatmul__(self, x):
+        """x @ w for a weight with one in dim (the MLP and expert tiles use `@`)."""
+        return matmul(x, self)
+
+
+def scale_shape(shape, kind: str, n_in: int, n_out: int) -> tuple:
+    """The fp32 scale's shape for a weight of `shape` (module doc)."""
+    lead = len(shape) - n_in - n_out
+    if kind == "int8":
+        return tuple(shape[:lead]) + (1,) * n_in + tuple(shape[lead + n_in:])
+    K, N = math.prod(shape[lead:lead + n_in]), math.prod(shape[lead + n_in:])
+    return tuple(shape[:lead]) + (-(-K // BLOCK), -(-N // BLOCK))
+
+
+def scale_axes(axes: tuple, kind: str, n_in: int, n_out: int) -> tuple:
+    """Logical axes of the scale leaf from the weight's: int8 keeps the lead and out axes (the in
+    dims have size 1); fp8 keeps the lead axes and names its two block dims after the first in and
+    first out axis (a shard of whole blocks follows the weight's split of those dims)."""
+    lead = len(axes) - n_in - n_out
+    if kind == "int8":
+        return tuple(axes[:lead]) + (None,) * n_in + tuple(axes[lead + n_in:])
+    return tuple(axes[:lead]) + (axes[lead], axes[lead + n_in])
+
+
+def quantize(w, kind: str, n_in: int = 1, n_out: int = 1) -> QuantizedWeight:
+    """A float weight (numpy or jax, any float dtype) -> QuantizedWeight with numpy leaves, computed
+    in fp32 on the host (deterministic: the converter and tests get the same bits)."""
+    check_kind(kind)
+    w = np.asarray(w, dtype=np.float32)
+    if n_in < 1 or n_out < 1 or w.ndim < n_in + n_out:
+        raise ValueError(f"quantize: weight of shape {w.shape} cannot have n_in={n_in}, n_out={n_out}")
+    lead = w.ndim - n_in - n_out
+    if kind == "int8":
+        axes = tuple(range(lead, lead + n_in))
+        amax = np.max(np.abs(w), axis=axes, keepdims=True)
+        scale = np.where(amax > 0, amax / np.float32(INT8_MAX), np.float32(1)).astype(np.float32)
+        q = np.clip(np.rint(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+        return QuantizedWeight(q, scale, kind, n_in, n_out)
+    K, N = math.prod(w.shape[lead:lead + n_in]), math.prod(w.shape[lead + n_in:])
+    kb, nb = -(-K // BLOCK), -(-N // BLOCK)
+    w2 = w.reshape(w.shape[:lead] + (K, N))
+    pad = [(0, 0)] * lead + [(0, kb * BLOCK - K), (0, nb * BLOCK - N)]
+    blocks = np.pad(w2, pad).reshape(w.shape[:lead] + (kb, BLOCK, nb, BLOCK))
+    amax = np.max(np.abs(blocks), axis=(-3, -1))
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    full = _expand_np(scale, K, N)
+    q = (w2 / full).astype(jnp.float8_e4m3fn).reshape(w.shape)
+    return QuantizedWeight(q, scale, kind, n_in, n_out)
+
+
+def _expand_np(scale, K, N):
+    return np.repeat(np.repeat(scale, BLOCK, axis=-2), BLOCK, axis=-1)[..., :K, :N]
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32):
+    """The whole weight in `dtype` (tests and references; the layers never call this)."""
+    lead = w.ndim - w.n_in - w.n_out
+    if w.kind == "int8":
+        return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
+    K, N = math.prod(w.shape[lead:lead + w.n_in]), math.prod(w.shape[lead + w.n_in:])
+    s = jnp.repeat(jnp.repeat(w.scale, BLOCK, axis=-2), BLOCK, axis=-1)[..., :K, :N]
+    return (w.q.astype(jnp.float32).reshape(w.shape[:lead] + (K, N)) * s).reshape(w.shape).astype(dtype)
+
+
+def _column_tile(K: int, N: int, multiple: int) -> int:
+    """Columns per dequantized tile: N when K*N fits DEQUANT_TILE_ELEMS, else the largest divisor
+    of N that is a multiple of `multiple` and fits (N itself when none does)."""
+    if K * N <= DEQUANT_TILE_ELEMS:
+        return N
+    best = N
+    for t in range(multiple, N, multiple):
+        if N % t == 0 and K * t <= DEQUANT_TILE_ELEMS:
+            best = t
+    return best
+
+
+def _dequant_tile(q_KN, scale, start, tn, K, dtype, kind):
+    """Columns [start, start + tn) of the (K, N) weight, dequantized to `dtype` (int8: unscaled)."""
+    q_t = jax.lax.dynamic_slice_in_dim(q_KN, start, tn, axis=1)
+    if kind == "int8":
+        return q_t.astype(dtype)
+    s_t = jax.lax.dynamic_slice_in_dim(scale, start // BLOCK, -(-tn // BLOCK), axis=1)
+    s_full = jnp.repeat(jnp.repeat(s_t, BLOCK, axis=0)[:K], BLOCK, axis=1)[:, :tn]
+    return (q_t.astype(jnp.float32) * s_full).astype(dtype)
+
+
+def matmul(x, w, precision=None):
+    """x (..., in...) contracted with w's in dims -> (..., out...).
+
+    w: a plain array (one in dim: x @ w) or a QuantizedWeight without lead dims (see module doc
+    for the tile-wise dequantization). The output has x's dtype."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.matmul(x, w, precision=precision)
+    if w.n_lead:
+        raise ValueError(f"matmul: index the {w.n_lead} lead dims of a {w.shape} QuantizedWeight first")
+    in_shape, out_shape = w.shape[:w.n_in], w.shape[w.n_in:]
+    if tuple(x.shape[x.ndim - w.n_in:]) != tuple(in_shape):
+        raise ValueError(f"matmul: x {x.shape} does not end with the weight's in dims {in_shape}")
+    K, N = math.prod(in_shape), math.prod(out_shape)
+    x_MK = x.reshape(-1, K)
+    q_KN = w.q.reshape(K, N)
+    scale = w.scale.reshape(1, N) if w.kind == "int8" else w.scale
+    tn = _column_tile(K, N, BLOCK if w.kind == "fp8" else 1)
+    dt = x.dtype
+
+    def tile(start, n):
+        y = jnp.matmul(x_MK, _dequant_tile(q_KN, scale, start, n, K, dt, w.kind), precision=precision)
+        if w.kind == "int8":
+            y = (y * jax.lax.dynamic_slice_in_dim(scale, start, n, axis=1)).astype(dt)
+        return y
+
+    if tn == N:
+        y_MN = tile(0, N)
+    else:
+        def body(j, y):
+            return jax.lax.dynamic_update_slice_in_dim(y, tile(j * tn, tn), j * tn, axis=1)
+        y_MN = jax.lax.fori_loop(0, N // tn, body, jnp.zeros((x_MK.shape[0], N), dt))
+    return y_MN.reshape(x.shape[:x.ndim - w.n_in] + tuple(out_shape))
+
+
+def einsum(spec: str, x, w):
+    """jnp.einsum(spec, x, w) for a plain w; `matmul(x, w)` for a QuantizedWeight. spec must
+    contract x's trailing dims with w's leading dims in order (e.g. "bsnh,nhd->bsd")."""
+    if isinstance(w, QuantizedWeight):
+        return matmul(x, w)
+    return jnp.einsum(spec, x, w)
+
+
+# Params that get quantized: path suffix -> (n_in, n_out). Layer stacks and experts are lead dims.
+# The router (fp32 routing), norms, biases and the embedding table stay in the model dtype.
+QUANTIZED_PARAMS = {
+    "attn/q_proj": (1, 2), "attn/k_proj": (1, 2), "attn/v_proj": (1, 2), "attn/o_proj": (2, 1),
+    "mlp/gate_proj": (1, 1), "mlp/up_proj": (1, 1), "mlp/down_proj": (1, 1),
+    "shared/gate_proj": (1, 1), "shared/up_proj": (1, 1), "shared/down_proj": (1, 1),
+    "lm_head/kernel": (1, 1),
+}
+SCALE_SUFFIX = "@scale"  # flat path of a quantized param's scale leaf: "<path>@scale"
+
+
+def quant_dims(path: str):
+    """(n_in, n_out) if the '/'-joined param path is quantized, else None."""
+    for suffix, dims in QUANTIZED_PARAMS.items():
+        if path == suffix or path.endswith("/" + suffix):
+            return dims
+    return None
+
+
+def quantize_flat(flat: dict, kind: str) -> tuple[dict, dict]:
+    """Flat {path: float array} -> (flat {path: q, path@scale: scale, other paths unchanged},
+    {path: {"kind", "n_in", "n_out"}} metadata for the quantized ones)."""
+    check_kind(kind)
+    out, meta = {}, {}
+    for path, arr in flat.items():
+        dims = quant_dims(path)
+        if dims is None:
+            out[path] = arr
+            continue
+        qw = quantize(arr, kind, *dims)
+        out[path], out[path + SCALE_SUFFIX] = qw.q, qw.scale
+        meta[path] = {"kind": kind, "n_in": dims[0], "n_out": dims[1]}
+    return out, meta
+
+
+def pack_flat(flat: dict, meta: dict) -> dict:
+    """Inverse of the split in quantize_flat: {path: q, path@scale: s} -> {path: QuantizedWeight}."""
+    out = {k: v for k, v in flat.items() if not k.endswith(SCALE_SUFFIX)}
+    for path, m in (meta or {}).items():
+        if path not in flat or path + SCALE_SUFFIX not in flat:
+            raise ValueError(f"quantized param {path!r}: its values or {SCALE_SUFFIX} leaf is missing")
+        out[path] = QuantizedWeight(flat[path], flat[path + SCALE_SUFFIX], check_kind(m["kind"]),
+                                    int(m["n_in"]), int(m["n_out"]))
+    return out
+
+
+def unpack_flat(flat: dict) -> tuple[dict, dict]:
+    """{path: QuantizedWeight | array} -> (flat leaves with path@scale, metadata) (for saving)."""
+    out, meta = {}, {}
+    for path, v in flat.items():
+        if isinstance(v, QuantizedWeight):
+            out[path], out[path + SCALE_SUFFIX] = v.q, v.scale
+            meta[path] = {"kind": v.kind, "n_in": v.n_in, "n_out": v.n_out}
+        else:
+            out[path] = v
+    return out, meta
+
+
+def expert_matmul(x_TD, w_EDF):
+    """All-experts reference einsum "td,edf->tef" for a plain or quantized stack (experts_dense)."""
+    if not isinstance(w_EDF, QuantizedWeight):
+        return jnp.einsum("td,edf->tef", x_TD, w_EDF)
+    return jax.vmap(lambda w: matmul(x_TD, w), out_axes=1)(w_EDF)
+
+
+def ragged_matmul(x_RD, w_EDF, group_sizes_E):
+    """lax.ragged_dot for a plain or quantized expert stack. int8: ragged_dot with the unscaled
+    q then each row times its expert's channel scales (exact factorisation); fp8: the stack
+    dequantized, then ragged_dot (XLA may materialise the dequantized stack here; the tiled and
+    dense expert paths never do)."""
+    if not isinstance(w_EDF, QuantizedWeight):
+        return jax.lax.ragged_dot(x_RD, w_EDF, group_sizes_E)
+    if w_EDF.kind == "int8":
+        E = w_EDF.shape[0]
+        row_group = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(x_RD.shape[0]), side="right")
+        s_RF = jnp.take(w_EDF.scale[:, 0, :], jnp.minimum(row_group, E - 1), axis=0)
+        y = jax.lax.ragged_dot(x_RD, w_EDF.q.astype(x_RD.dtype), group_sizes_E)
+        return (y * s_RF).astype(x_RD.dtype)
+    return jax.lax.ragged_dot(x_RD, dequantize(w_EDF, x_RD.dtype), group_sizes_E)
+
+
+def is_quantized(tree) -> bool:
+    return any(isinstance(v, QuantizedWeight) for v in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda v: isinstance(v, QuantizedWeight)))
