@@ -97,8 +97,9 @@ def pallas_calls(jaxpr) -> list[dict]:
 
 
 def abstract_model(cfg: ModelConfig, platform: str, *, dtype=jnp.bfloat16, mesh=None, attention_impl: str = "auto",
-                   moe_impl: str = "auto"):
-    """A Model over ShapeDtypeStruct params (sharded over `mesh` when given) targeting `platform`."""
+                   moe_impl: str = "auto", quantize: str | None = None):
+    """A Model over ShapeDtypeStruct params (sharded over `mesh` when given) targeting `platform`;
+    quantize "int8" | "fp8": the quantized params as QuantizedWeight (models/quant.py), no mesh."""
     from dinfer_jax import sharding as shd
     from dinfer_jax.model import Model
     from dinfer_jax.models import abstract_params, unflatten
@@ -107,6 +108,11 @@ def abstract_model(cfg: ModelConfig, platform: str, *, dtype=jnp.bfloat16, mesh=
         shd.check_mesh_fits(cfg, mesh)
         shardings = shd.param_shardings(cfg, mesh, {k: v.shape for k, v in flat.items()})
         flat = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in flat.items()}
+    if quantize is not None:
+        if mesh is not None:
+            raise ValueError("abstract_model: quantize with a mesh is not supported; place a loaded model instead")
+        from dinfer_jax.models.quant import quantize_abstract
+        flat = quantize_abstract(flat, quantize)
     return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh, platform)
 
 

@@ -12,6 +12,8 @@ Per device:
      grouped matmul over the local experts (pairs of other shards sort last and give 0);
   4. y_TD partial sums: over the F slices ("model") and the expert shards ("expert") -> one psum,
      or psum_scatter over "expert" then psum over "model" (on 1/ep of the rows) when step 1 gathered.
+Quantized expert weights (models/quant.py) are split like the weights: int8 scales (E, 1, F|D)
+follow the out dim; fp8 block scales follow the (in, out) block grid.
 No `ragged_dot(group_offset=...)` (it fails on CPU): other shards' pairs are excluded by the sort.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from dinfer_jax.models.quant import spec_like
 
 
 def moe_expert_parallel(x_TD, router_params, w_gate_EDF, w_up_EDF, w_down_EFD, *, mesh, token_axes: tuple,
@@ -56,6 +60,8 @@ def moe_expert_parallel(x_TD, router_params, w_gate_EDF, w_up_EDF, w_down_EFD, *
         return jax.lax.psum(y, ("expert", "model"))
 
     fn = partial(jax.shard_map, mesh=mesh, check_vma=False,
-                 in_specs=(tok, P(), P("expert", None, "model"), P("expert", None, "model"), P("expert", "model", None)),
+                 in_specs=(tok, P(), spec_like(w_gate_EDF, P("expert", None, "model")),
+                           spec_like(w_up_EDF, P("expert", None, "model")),
+                           spec_like(w_down_EFD, P("expert", "model", None))),
                  out_specs=tok)(local)
     return fn(x_TD, router_params, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -155,9 +155,14 @@ def _column_tile(K: int, N: int, multiple: int) -> int:
 def _dequant_tile(q_KN, scale, start, tn, K, dtype, kind):
     """Columns [start, start + tn) of the (K, N) weight, dequantized to `dtype` (int8: unscaled)."""
     q_t = jax.lax.dynamic_slice_in_dim(q_KN, start, tn, axis=1)
+    if q_t.dtype == jnp.uint8:  # fp8 carried as its bits (see matmul)
+        q_t = jax.lax.bitcast_convert_type(q_t, jnp.float8_e4m3fn)
     if kind == "int8":
         return q_t.astype(dtype)
     s_t = jax.lax.dynamic_slice_in_dim(scale, start // BLOCK, -(-tn // BLOCK), axis=1)
+    if K % BLOCK == 0 and tn % BLOCK == 0:  # broadcast the block scales, no expanded copy
+        w = q_t.astype(jnp.float32).reshape(K // BLOCK, BLOCK, tn // BLOCK, BLOCK) * s_t[:, None, :, None]
+        return w.reshape(K, tn).astype(dtype)
     s_full = jnp.repeat(jnp.repeat(s_t, BLOCK, axis=0)[:K], BLOCK, axis=1)[:, :tn]
     return (q_t.astype(jnp.float32) * s_full).astype(dtype)
 
@@ -177,6 +182,8 @@ def matmul(x, w, precision=None):
     K, N = math.prod(in_shape), math.prod(out_shape)
     x_MK = x.reshape(-1, K)
     q_KN = w.q.reshape(K, N)
+    if w.kind == "fp8":  # carried as uint8 bits: XLA:CPU would otherwise convert the whole fp8 array
+        q_KN = jax.lax.bitcast_convert_type(q_KN, jnp.uint8)  # to f16 up front (its fp8 normalization)
     scale = w.scale.reshape(1, N) if w.kind == "int8" else w.scale
     tn = _column_tile(K, N, BLOCK if w.kind == "fp8" else 1)
     dt = x.dtype
@@ -260,6 +267,32 @@ def unpack_flat(flat: dict) -> tuple[dict, dict]:
         else:
             out[path] = v
     return out, meta
+
+
+def quantize_abstract(flat: dict, kind: str) -> dict:
+    """Flat {path: ShapeDtypeStruct} -> the same with the quantized params as QuantizedWeight of
+    ShapeDtypeStructs (AOT export of a quantized model without weights)."""
+    check_kind(kind)
+    qdt = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+    out = {}
+    for path, a in flat.items():
+        dims = quant_dims(path)
+        out[path] = a if dims is None else QuantizedWeight(
+            jax.ShapeDtypeStruct(a.shape, qdt, sharding=getattr(a, "sharding", None)),
+            jax.ShapeDtypeStruct(scale_shape(a.shape, kind, *dims), jnp.float32), kind, *dims)
+    return out
+
+
+def spec_like(w, spec):
+    """The shard_map in_spec of a weight that has PartitionSpec `spec` when unquantized: a plain
+    spec for an array; for a QuantizedWeight, `spec` for q and its scale_axes-style spec for the
+    scale (fp8: a block-scale dim on a mesh axis needs the shard to hold whole 128-blocks, which
+    shard_map checks when the scale dim does not divide)."""
+    if not isinstance(w, QuantizedWeight):
+        return spec
+    from jax.sharding import PartitionSpec as P
+    parts = tuple(spec) + (None,) * (w.ndim - len(spec))
+    return QuantizedWeight(spec, P(*scale_axes(parts, w.kind, w.n_in, w.n_out)), w.kind, w.n_in, w.n_out)
 
 
 def expert_matmul(x_TD, w_EDF):
