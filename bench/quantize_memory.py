@@ -1,0 +1,122 @@
+"""Weight quantization at LLaDA-MoE-7B-A1B widths: bytes on disk, peak RSS of loading, logits error.
+
+Writes a synthetic bf16 HF checkpoint (bench/make_synthetic_checkpoint.py --random: N(0, 0.02^2)
+weights, so routers spread tokens), converts it three times (bf16 as stored, `--quantize int8`,
+`--quantize fp8`), then in a fresh process per checkpoint loads it (bf16 activations; the
+quantized params stay int8 / fp8 + fp32 scales) and runs one forward over a 64-token prompt.
+Reported: the params' bytes in memory, the process's RSS right after load and its peak RSS
+(ru_maxrss) after load and after the forward; the logits error is
+max |logits_q - logits_bf16| / max |logits_bf16| and top-1 agreement over the 64 positions.
+
+  python bench/quantize_memory.py                      # 2 layers (the numbers in RESULTS.md)
+  python bench/quantize_memory.py --full               # all 16 layers: ~15 GB on disk, ~16+ GB RAM
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _du(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _load_and_forward(folder: str, logits_out: str):
+    """Child process: load, forward, report peak RSS (GiB) after each."""
+    import jax
+    import jax.numpy as jnp
+
+    from dinfer_jax import load_model
+    t = time.perf_counter()
+    m = load_model(folder, dtype=jnp.bfloat16)
+    load_s = time.perf_counter() - t
+    rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_now = _rss_now()
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(m.params))
+    ids = (np.arange(64) * 7919 + 13) % m.config.vocab_size
+    t = time.perf_counter()
+    np.save(logits_out, m.logits(ids))
+    fwd_s = time.perf_counter() - t
+    rss_fwd = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"param_bytes_GiB": round(param_bytes / 2**30, 3), "rss_after_load_GiB": round(rss_now / 2**30, 3),
+                      "peak_rss_after_load_GiB": round(rss_load / 2**30, 3),
+                      "peak_rss_after_forward_GiB": round(rss_fwd / 2**30, 3),
+                      "load_seconds": round(load_s, 1), "forward_seconds": round(fwd_s, 1)}))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--full", action="store_true", help="all layers of the preset (needs ~16+ GB of RAM)")
+    ap.add_argument("--preset", default="llada-moe-7b-a1b")
+    ap.add_argument("--work", default="/tmp/dinfer_quantize_bench")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "quantize_memory.json"))
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints in --work")
+    ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._child:
+        return _load_and_forward(*a._child)
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from make_synthetic_checkpoint import write_synthetic
+
+    from converters import convert
+    from dinfer_jax.config import preset
+    cfg = preset(a.preset)
+    if not a.full:
+        cfg = cfg.replace(num_layers=a.layers)
+    shutil.rmtree(a.work, ignore_errors=True)
+    hf = os.path.join(a.work, "hf")
+    t = time.perf_counter()
+    write_synthetic(hf, cfg, random=True)
+    print(f"synthetic HF checkpoint {_du(hf) / 2**30:.2f} GiB in {time.perf_counter() - t:.0f}s", flush=True)
+    rows = {}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for kind in ("bf16", "int8", "fp8"):
+        dst = os.path.join(a.work, kind)
+        t = time.perf_counter()
+        convert(hf, dst, progress=False, quantize=None if kind == "bf16" else kind)
+        conv_s = time.perf_counter() - t
+        logits = os.path.join(a.work, f"logits_{kind}.npy")
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", dst, logits],
+                           capture_output=True, text=True, env=env)
+        if p.returncode:
+            raise SystemExit(f"{kind}: load/forward failed:\n{p.stderr[-3000:]}")
+        rows[kind] = {"disk_GiB": round(_du(dst) / 2**30, 3), "convert_seconds": round(conv_s, 1),
+                      **json.loads(p.stdout.strip().splitlines()[-1])}
+        print(kind, rows[kind], flush=True)
+    ref = np.load(os.path.join(a.work, "logits_bf16.npy")).astype(np.float64)
+    for kind in ("int8", "fp8"):
+        out = np.load(os.path.join(a.work, f"logits_{kind}.npy")).astype(np.float64)
+        rows[kind]["logits_max_abs_err_rel"] = float(np.abs(out - ref).max() / np.abs(ref).max())
+        rows[kind]["logits_rms_err_rel"] = float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2)))
+        rows[kind]["top1_agreement"] = float(np.mean(out.argmax(-1) == ref.argmax(-1)))
+        rows[kind]["disk_vs_bf16"] = round(rows[kind]["disk_GiB"] / rows["bf16"]["disk_GiB"], 3)
+    result = {"preset": a.preset, "layers": cfg.num_layers, "full_size": a.full, "hidden": cfg.hidden_size,
+              "experts": cfg.num_experts, "moe_ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
+              "activations": "bf16 (CPU)", "prompt_tokens": 64, "weights": "synthetic N(0, 0.02^2) bf16",
+              "results": rows}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    if not a.keep:
+        shutil.rmtree(a.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
