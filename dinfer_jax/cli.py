@@ -70,7 +70,10 @@ def cmd_info(a):
     ckpt.check_model_folder(a.model)
     cfg = load_hf_config(a.model)
     kind = "dinfer-jax checkpoint" if ckpt.is_checkpoint(a.model) else "Hugging Face folder"
-    print(json.dumps({"folder": a.model, "kind": kind, "num_params": cfg.num_params, **cfg.to_dict()}, indent=1))
+    quant = sorted({m["kind"] for m in (ckpt.read_manifest(a.model).get("quantization") or {}).values()}
+                   if ckpt.is_checkpoint(a.model) else [])
+    print(json.dumps({"folder": a.model, "kind": kind, "num_params": cfg.num_params,
+                      "quantization": "+".join(quant) or None, **cfg.to_dict()}, indent=1))
 
 
 def cmd_logits(a):

@@ -185,7 +185,7 @@ def _quantized(model, kind):
     return Model(model.config, params), flat, meta
 
 
-def test_convert_quantize_round_trip_bit_exact(demo, tmp_path):
+def test_convert_quantize_round_trip_bit_exact(demo, tmp_path, capsys):
     """demo checkpoint -> HF export -> `dinfer-jax convert --quantize` -> load: every leaf equals
     quant.quantize of the source bit for bit; save_params of a quantized tree round-trips too;
     --quantize int4 is refused by name."""
@@ -203,6 +203,9 @@ def test_convert_quantize_round_trip_bit_exact(demo, tmp_path):
     for kind in ("int8", "fp8"):
         dst = str(tmp_path / kind)
         main(["convert", str(tmp_path / "hf"), dst, "--quantize", kind, "--quiet"])
+        capsys.readouterr()
+        main(["info", dst])
+        assert json.loads(capsys.readouterr().out)["quantization"] == kind
         man = read_manifest(dst)
         assert set(man["quantization"]) == {k for k in src if quant.quant_dims(k)}
         assert "layers/mlp/router" not in man["quantization"] and "embed/embedding" not in man["quantization"]
