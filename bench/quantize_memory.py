@@ -5,7 +5,7 @@ weights, so routers spread tokens), converts it three times (bf16 as stored, `--
 `--quantize fp8`), then in a fresh process per checkpoint loads it (bf16 activations; the
 quantized params stay int8 / fp8 + fp32 scales) and runs one forward over a 64-token prompt.
 Reported: the params' bytes in memory, the process's RSS right after load and its peak RSS
-(ru_maxrss) after load and after the forward; the logits error is
+(VmHWM) after load and after the forward; the logits error is
 max |logits_q - logits_bf16| / max |logits_bf16| and top-1 agreement over the 64 positions.
 
   python bench/quantize_memory.py                      # 2 layers (the numbers in RESULTS.md)
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -31,9 +30,14 @@ def _du(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
 
 
-def _rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_kib(field: str) -> int:
+    """A /proc/self/status field in bytes: VmRSS (now) or VmHWM (peak of this process image;
+    ru_maxrss is not used: after fork + exec Linux keeps the parent's peak in it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _load_and_forward(folder: str, logits_out: str):
@@ -45,14 +49,14 @@ def _load_and_forward(folder: str, logits_out: str):
     t = time.perf_counter()
     m = load_model(folder, dtype=jnp.bfloat16)
     load_s = time.perf_counter() - t
-    rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    rss_now = _rss_now()
+    rss_load = _status_kib("VmHWM")
+    rss_now = _status_kib("VmRSS")
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(m.params))
     ids = (np.arange(64) * 7919 + 13) % m.config.vocab_size
     t = time.perf_counter()
     np.save(logits_out, m.logits(ids))
     fwd_s = time.perf_counter() - t
-    rss_fwd = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_fwd = _status_kib("VmHWM")
     print(json.dumps({"param_bytes_GiB": round(param_bytes / 2**30, 3), "rss_after_load_GiB": round(rss_now / 2**30, 3),
                       "peak_rss_after_load_GiB": round(rss_load / 2**30, 3),
                       "peak_rss_after_forward_GiB": round(rss_fwd / 2**30, 3),
@@ -67,6 +71,8 @@ def main():
     ap.add_argument("--work", default="/tmp/dinfer_quantize_bench")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "quantize_memory.json"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints in --work")
+    ap.add_argument("--reuse", action="store_true", help="reuse the HF folder and checkpoints already in --work "
+                    "(their convert times from convert_seconds.json there)")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child:
@@ -80,24 +86,31 @@ def main():
     cfg = preset(a.preset)
     if not a.full:
         cfg = cfg.replace(num_layers=a.layers)
-    shutil.rmtree(a.work, ignore_errors=True)
     hf = os.path.join(a.work, "hf")
-    t = time.perf_counter()
-    write_synthetic(hf, cfg, random=True)
-    print(f"synthetic HF checkpoint {_du(hf) / 2**30:.2f} GiB in {time.perf_counter() - t:.0f}s", flush=True)
+    times_path = os.path.join(a.work, "convert_seconds.json")
+    if not a.reuse:
+        shutil.rmtree(a.work, ignore_errors=True)
+        t = time.perf_counter()
+        write_synthetic(hf, cfg, random=True)
+        print(f"synthetic HF checkpoint {_du(hf) / 2**30:.2f} GiB in {time.perf_counter() - t:.0f}s", flush=True)
+    times = json.load(open(times_path)) if os.path.isfile(times_path) else {}
     rows = {}
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for kind in ("bf16", "int8", "fp8"):
         dst = os.path.join(a.work, kind)
-        t = time.perf_counter()
-        convert(hf, dst, progress=False, quantize=None if kind == "bf16" else kind)
-        conv_s = time.perf_counter() - t
+        if not (a.reuse and os.path.isfile(os.path.join(dst, "dinfer_jax.json"))):
+            shutil.rmtree(dst, ignore_errors=True)
+            t = time.perf_counter()
+            convert(hf, dst, progress=False, quantize=None if kind == "bf16" else kind)
+            times[kind] = round(time.perf_counter() - t, 1)
+            with open(times_path, "w") as f:
+                json.dump(times, f)
         logits = os.path.join(a.work, f"logits_{kind}.npy")
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", dst, logits],
                            capture_output=True, text=True, env=env)
         if p.returncode:
             raise SystemExit(f"{kind}: load/forward failed:\n{p.stderr[-3000:]}")
-        rows[kind] = {"disk_GiB": round(_du(dst) / 2**30, 3), "convert_seconds": round(conv_s, 1),
+        rows[kind] = {"disk_GiB": round(_du(dst) / 2**30, 3), "convert_seconds": times.get(kind),
                       **json.loads(p.stdout.strip().splitlines()[-1])}
         print(kind, rows[kind], flush=True)
     ref = np.load(os.path.join(a.work, "logits_bf16.npy")).astype(np.float64)
