@@ -110,7 +110,7 @@ def main():
                            capture_output=True, text=True, env=env)
         if p.returncode:
             raise SystemExit(f"{kind}: load/forward failed:\n{p.stderr[-3000:]}")
-        rows[kind] = {"disk_GiB": round(_du(dst) / 2**30, 3), "convert_seconds": times.get(kind),
+        rows[kind] = {"disk_bytes": _du(dst), "disk_GiB": round(_du(dst) / 2**30, 3), "convert_seconds": times.get(kind),
                       **json.loads(p.stdout.strip().splitlines()[-1])}
         print(kind, rows[kind], flush=True)
     ref = np.load(os.path.join(a.work, "logits_bf16.npy")).astype(np.float64)
@@ -119,7 +119,7 @@ def main():
         rows[kind]["logits_max_abs_err_rel"] = float(np.abs(out - ref).max() / np.abs(ref).max())
         rows[kind]["logits_rms_err_rel"] = float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2)))
         rows[kind]["top1_agreement"] = float(np.mean(out.argmax(-1) == ref.argmax(-1)))
-        rows[kind]["disk_vs_bf16"] = round(rows[kind]["disk_GiB"] / rows["bf16"]["disk_GiB"], 3)
+        rows[kind]["disk_vs_bf16"] = round(rows[kind]["disk_bytes"] / rows["bf16"]["disk_bytes"], 3)
     result = {"preset": a.preset, "layers": cfg.num_layers, "full_size": a.full, "hidden": cfg.hidden_size,
               "experts": cfg.num_experts, "moe_ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
               "activations": "bf16 (CPU)", "prompt_tokens": 64, "weights": "synthetic N(0, 0.02^2) bf16",

@@ -136,3 +136,17 @@ def test_tpu_bench_tiny_on_cpu(tmp_path):
     assert all(r["mosaic_calls"] >= 1 and r["interpreted"] == 0 for r in rows)
     assert "| attention | pallas |" in r.stdout and '"error"' not in r.stdout
     assert (tmp_path / "e2e_bench.json").is_file()
+
+
+def test_quantize_memory_bench_tiny(tmp_path):
+    """bench/quantize_memory.py at the tiny preset: three checkpoints, each loaded in its own process."""
+    out = tmp_path / "q.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "quantize_memory.py"), "--preset", "tiny",
+                        "--work", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"bf16", "int8", "fp8"}
+    for kind in ("int8", "fp8"):
+        assert rows[kind]["disk_bytes"] < rows["bf16"]["disk_bytes"] * 1.5 and rows[kind]["top1_agreement"] > 0.5
+        assert rows[kind]["peak_rss_after_load_GiB"] > 0
