@@ -40,7 +40,12 @@ export (converters.export). fp32, batch 1, prompts one at a time; `--threads` CP
 for XLA and torch. Every timing round runs all prompts on every side, the order rotating per
 round; medians + min/max. Tokens are compared on every round: generated tokens with EOS removed
 (dInfer's generate() returns the sequence without EOS); a divergence is reported with the first
-differing position, not hidden.
+differing position and how near a tie the decision was there (`margin_at`: top-1 minus top-2 logit
+and confidence minus tau from our model's forward), not hidden.
+
+Threads: `--threads` (default 2, as bench/compare_torch.py) pins the process and sets torch's
+threads. On a box whose cores are shared with other busy processes use `--threads 1`: torch's
+OpenMP regions then wait on a descheduled second thread and the peers slow down 10-70x (RESULTS.md).
 """
 from __future__ import annotations
 
@@ -259,6 +264,26 @@ def first_divergence(peer_outs, our_outs, eos_id):
     return None
 
 
+def margin_at(model, cfg, prompt, our_out, pos_stripped, threshold):
+    """Where the peers' tokens and ours first differ: how close the decision was, from OUR model's
+    full forward on our final canvas with that one position re-masked (an approximation of the
+    state at the deciding step, whose cached K/V is not kept): top-1 minus top-2 logit there, and
+    the top-1 confidence minus tau. Never raises (a failure is recorded as text)."""
+    try:
+        import numpy as np
+        idx = [k for k, t in enumerate(our_out) if t != cfg.eos_token_id]
+        p = idx[pos_stripped] if pos_stripped < len(idx) else len(our_out) - 1
+        canvas = np.asarray(list(prompt) + list(our_out), np.int32)
+        canvas[len(prompt) + p] = cfg.mask_token_id
+        lg = model.logits(canvas)[len(prompt) + p].astype(np.float64)
+        top = np.sort(lg)[::-1]
+        conf = float(np.exp(top[0] - np.logaddexp.reduce(lg)))
+        return {"raw_position": p, "top1_minus_top2_logit": float(top[0] - top[1]),
+                "conf_minus_tau": conf - threshold}
+    except Exception as e:  # a diagnostic only
+        return {"error": repr(e)}
+
+
 def spread(v):
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
 
@@ -267,9 +292,14 @@ def compare(peer, ours, prompts, gen_length, block_length, repeats, cfg) -> dict
     sides = {"peer": peer, "jax": ours}
     res = {k: run_round(s, prompts, gen_length, block_length) for k, s in sides.items()}  # warm-up / compile
     divergences = []
+
+    def note(round_, d):
+        m = margin_at(ours.gen.model, cfg, prompts[d[0]], res["jax"][1][d[0]], d[1], ours.threshold)
+        divergences.append(dict(zip(("round", "prompt", "position", "peer_token", "our_token"), (round_,) + d),
+                                margin=m))
     d = first_divergence(res["peer"][1], res["jax"][1], cfg.eos_token_id)
     if d:
-        divergences.append(("warm-up",) + d)
+        note("warm-up", d)
     times = {"peer": [], "jax": []}
     for r in range(repeats):
         for k in (("peer", "jax") if r % 2 == 0 else ("jax", "peer")):
@@ -277,14 +307,13 @@ def compare(peer, ours, prompts, gen_length, block_length, repeats, cfg) -> dict
             times[k].append(res[k][0])
         d = first_divergence(res["peer"][1], res["jax"][1], cfg.eos_token_id)
         if d:
-            divergences.append((r,) + d)
+            note(r, d)
     tokens = {k: sum(len(strip_eos(o, cfg.eos_token_id)) for o in res[k][1]) for k in res}
     nfe = {k: sum(res[k][2]) for k in res}
     med = {k: statistics.median(v) for k, v in times.items()}
     row = {"peer": peer.name, "ours": ours.name, "gen_length": gen_length, "block_length": block_length,
            "prompts": len(prompts), "identical_tokens": not divergences,
-           "divergences": [dict(zip(("round", "prompt", "position", "peer_token", "our_token"), d))
-                           for d in divergences],
+           "divergences": divergences,
            "tokens_peer": tokens["peer"], "tokens_jax": tokens["jax"], "nfe_peer": nfe["peer"], "nfe_jax": nfe["jax"],
            "nfe_per_prompt_peer": res["peer"][2], "nfe_per_prompt_jax": res["jax"][2],
            "peer_s": spread(times["peer"]), "jax_s": spread(times["jax"]),
