@@ -76,6 +76,22 @@ def test_sub_block_length_validation_names_the_field():
         SamplingParams(gen_length=16, block_length=8, cache="block", sub_block_length=4, steps=2).validate()
 
 
+@pytest.mark.smoke
+def test_sub_block_candidates_on_hand_built_masks():
+    """The positions a step may commit: the masked first position alone (shifted logits), else the
+    masks of the first sub-block holding one; rows independent."""
+    from dinfer_jax.decoding.block_loop import sub_block_candidates
+    m = np.array([[1, 1, 1, 1, 1, 1, 1, 1],   # head masked -> only position 0
+                  [0, 0, 1, 0, 1, 1, 0, 1],   # sub-block 0 holds masks 2
+                  [0, 0, 0, 0, 0, 1, 0, 1],   # sub-block 0 done -> masks 5, 7
+                  [0, 0, 0, 0, 0, 0, 0, 0]], bool)
+    got = np.asarray(sub_block_candidates(jnp.asarray(m), 4, 1)).astype(int)
+    np.testing.assert_array_equal(got, [[1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0],
+                                        [0, 0, 0, 0, 0, 1, 0, 1], [0] * 8])
+    no_shift = np.asarray(sub_block_candidates(jnp.asarray(m), 4, 0)).astype(int)
+    np.testing.assert_array_equal(no_shift[0], [1, 1, 1, 1, 0, 0, 0, 0])
+
+
 # ------------------------------------------------------------------------------------ parity
 def _rel(ref, ours):
     return float(np.abs(ref - ours).max() / np.abs(ref).max())

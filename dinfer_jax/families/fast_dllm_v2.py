@@ -38,7 +38,10 @@ Facts and their sources (read in public code; nothing copied):
     - use_block_cache=True (not the default, not used by run_chatbot.py): the sub-block DualCache:
       at a sub-block start a forward over the whole block stores the block's K/V, later steps of the
       sub-block run a forward over the sub-block only, replacing its own K/V in that block cache
-      (the rest of the block's K/V are stale); NOT BUILT here.
+      (the rest of the block's K/V are stale); NOT BUILT here. In the copy read, that block cache
+      is not reset between blocks, so the first sub-block of a later block (whose first position is
+      the AR token, not a mask) reads the previous block's block cache: we could not tell whether
+      the released code does the same, one more reason it is not reproduced.
   Our mapping (decoding/block_loop.py, module doc): SamplingParams(cache="block", block_length=32,
   sub_block_length=8, threshold=0.9, num_to_transfer=1) with logit_shift=1. The block's AR head is
   our block's first step (committed alone, from the last row of the previous block); tokens equal
