@@ -27,7 +27,8 @@ cached K/V), and the logits rows are read from [block start - 1, block end - 1).
 first position is decoded from the last row of the previous block (or of the prompt), recomputed
 by the same forward from the exact cache: under block-causal attention that row sees only finished
 blocks, so it equals the row the previous block's final forward produced (nothing is carried over
-between iterations). The prompt needs at least one token (engine.py checks prompts are non-empty).
+between iterations). The position before a block always exists: prompts are non-empty and
+DecodeSpec.head_room reserves one left pad, so a window never starts before index 0.
 Sub-blocks (spec.sub_block_length = b > 0, Fast-dLLM v2's small_block_size; B % b == 0): each step
 may commit only (a) with shifted logits, a masked FIRST position of the block, alone (its logit
 comes from the finished previous block: Fast-dLLM v2 decodes it as an AR step, by the forward that

@@ -32,7 +32,9 @@ strategy sees already-shifted block logits:
   row left (prefix_look = 0 extends the window as dual does).
 The row before a block is always a real token or a left pad: `DecodeSpec.head_room` reserves one
 extra left pad, so block start - 1 >= 0 even for aligned blocks that start at a row's first token.
-Iteration smoothing and block diffusion (cache="block") refuse shifted models.
+- block (cache="block", decoding/block_loop.py): every window gets one query-only position on the
+  left, as dual does.
+Iteration smoothing refuses shifted models.
 """
 from __future__ import annotations
 
