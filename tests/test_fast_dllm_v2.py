@@ -131,7 +131,17 @@ def test_convert_export_round_trip_bit_exact(case, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ decoding
+_REF_CACHE = {}
+
+
 def reference_fast_dllm_v2(model, prompt, B: int, b: int, G: int, threshold: float):
+    key = (id(model), tuple(prompt), B, b, G, threshold)
+    if key not in _REF_CACHE:
+        _REF_CACHE[key] = _reference(model, prompt, B, b, G, threshold)
+    return _REF_CACHE[key]
+
+
+def _reference(model, prompt, B: int, b: int, G: int, threshold: float):
     """Fast-dLLM v2's generate() at temperature 0 without the sub-block cache, written from the
     facts (families/fast_dllm_v2.py): one prompt, canvas = prompt + masks up to whole blocks, blocks
     from floor(P / B); NO cache: every step a full block-causal forward over [0, block end); logits
