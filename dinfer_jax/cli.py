@@ -175,7 +175,8 @@ def _block_flags(a) -> dict:
     preset (engine.EDIT_MODES), else the defaults (threshold 0.9, no editing)."""
     from dinfer_jax.engine import EDIT_MODES
     out = dict(EDIT_MODES[a.edit_mode]) if a.edit_mode else {}
-    for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p"):
+    for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p",
+                 "sub_block_length"):
         if getattr(a, name) is not None:
             out[name] = getattr(a, name)
     for name in ("indel", "confidence_before_filter"):
@@ -499,6 +500,8 @@ def _add_decoding_flags(p, with_lengths: bool = True):
                    help="LLaDA2.1 token-to-token edits above this probability (default: no editing)")
     b.add_argument("--max-post-steps", type=int, default=None, help="edit forwards per block after its masks are gone (16)")
     b.add_argument("--num-to-transfer", type=int, default=None, help="masks committed per step at least (1)")
+    b.add_argument("--sub-block-length", type=int, default=None,
+                   help="Fast-dLLM v2: decode each block in sub-blocks of this many positions, left to right (0: off)")
     b.add_argument("--top-k", type=int, default=None, help="with --temperature > 0: keep the k most probable tokens")
     b.add_argument("--top-p", type=float, default=None, help="with --temperature > 0: nucleus sampling")
     b.add_argument("--indel", action="store_true",

@@ -59,6 +59,7 @@ _RULES = {
     "min_tokens": (_INT, 0, True, None, False),
     "alg_temp": (_FLOAT, 0.0, True, None, False),
     "eps": (_FLOAT, 0.0, True, 1.0, False),
+    "sub_block_length": (_INT, 0, True, None, False),
 }
 
 
@@ -156,6 +157,11 @@ class SamplingParams:
     alg: str | None = None
     alg_temp: float = 0.0
     eps: float = 1e-3
+    # Sub-block schedule inside each block (cache="block"; Fast-dLLM v2's `small_block_size`): the
+    # block's sub-blocks of this many positions are decoded left to right, each with the threshold
+    # rule (at least num_to_transfer per step); with a shifted-logits model a masked first position
+    # of the block is first committed alone (decoding/block_loop.py). 0: off (the whole block at once).
+    sub_block_length: int = 0
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -200,11 +206,22 @@ class SamplingParams:
             if self.indel and self.steps is not None:
                 raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
                                             "indel (SGLang's rule transfers 1 + #inserted masks; use num_to_transfer)")
+            if self.sub_block_length:
+                if self.block_length % self.sub_block_length:
+                    raise InvalidParam("sub_block_length", f"sub_block_length={self.sub_block_length} must divide "
+                                                           f"block_length={self.block_length}")
+                for name, off in (("steps", None), ("editing_threshold", None), ("indel", False)):
+                    if getattr(self, name) != off:
+                        raise InvalidParam(name, f"{name}={getattr(self, name)!r} does not combine with "
+                                                 f"sub_block_length (Fast-dLLM v2's sub-block threshold rule)")
             if self.indel and self.temperature > 0:
                 raise InvalidParam("temperature", f"indel (LLaDA2.2 insert/delete editing) decodes greedily "
                                                   f"(SGLang's JointThresholdInDel): temperature must be 0, "
                                                   f"not {self.temperature}")
         else:
+            if self.sub_block_length:
+                raise InvalidParam("sub_block_length", f"sub_block_length={self.sub_block_length} applies to block "
+                                                       f"diffusion only (cache='block'), not cache={self.cache!r}")
             if self.indel:
                 raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) applies to block diffusion "
                                             f"only (cache='block'), not cache={self.cache!r}")
@@ -258,7 +275,8 @@ class SamplingParams:
             smoothing=self.smoothing, early_stop=self.early_stop, start_block_align=self.start_block_align,
             mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None or self.indel,
             max_post_steps=self.max_post_steps, indel=self.indel,
-            alg=(self.alg or "origin") if self.strategy == DREAM else "", logit_shift=logit_shift)
+            alg=(self.alg or "origin") if self.strategy == DREAM else "", logit_shift=logit_shift,
+            sub_block_length=self.sub_block_length)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ Streaming requests select the program variant with a per-iteration host callback
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter (OpenAI clients pass them
+max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length (OpenAI clients pass them
 with `extra_body=`); top_p is OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 
@@ -92,6 +92,7 @@ class DinferFields(BaseModel):
     top_k: Optional[int] = None
     indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
     confidence_before_filter: Optional[bool] = None  # SDAR's evaluation sampler: p before top-k/top-p
+    sub_block_length: Optional[int] = None  # Fast-dLLM v2's small_block_size (0: off)
     # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = None

@@ -138,6 +138,21 @@ def test_tpu_bench_tiny_on_cpu(tmp_path):
     assert (tmp_path / "e2e_bench.json").is_file()
 
 
+def test_compare_peers_needs_checkouts(tmp_path):
+    """bench/compare_peers.py imports the peers from checkouts (CI has none): without paths, or with
+    a path that is not the right checkout, it stops at argument parsing with a message naming the
+    repository to clone, before importing jax or torch."""
+    script = os.path.join(ROOT, "bench", "compare_peers.py")
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "give --fast-dllm PATH and/or --dinfer PATH" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, script, "--fast-dllm", str(tmp_path), "--dinfer", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0
+    assert "not a checkout of NVlabs/Fast-dLLM (missing llada/generate.py" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, script, "--dinfer", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "not a checkout of inclusionAI/dInfer (missing the folder itself)" in r.stderr, r.stderr
+
 def test_quantize_memory_bench_tiny(tmp_path):
     """bench/quantize_memory.py at the tiny preset: three checkpoints, each loaded in its own process."""
     out = tmp_path / "q.json"

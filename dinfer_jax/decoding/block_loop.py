@@ -20,6 +20,24 @@ Program:
       block are exactly those of a full block-causal forward (tests/test_block_diffusion.py).
   No forward ever covers the whole canvas: a step costs a window of B or 2B tokens plus attention
   over the prefix.
+Shifted logits (ModelConfig.logit_shift = 1, Fast-dLLM v2): the logits that decode position i are
+the output row of position i - 1. Every window above is extended by ONE position on the left
+(S = B + 1, or 2B + 1 for the commit window): that position is a query only (kv_write_BS keeps its
+cached K/V), and the logits rows are read from [block start - 1, block end - 1). So the block's
+first position is decoded from the last row of the previous block (or of the prompt), recomputed
+by the same forward from the exact cache: under block-causal attention that row sees only finished
+blocks, so it equals the row the previous block's final forward produced (nothing is carried over
+between iterations). The position before a block always exists: prompts are non-empty and
+DecodeSpec.head_room reserves one left pad, so a window never starts before index 0.
+Sub-blocks (spec.sub_block_length = b > 0, Fast-dLLM v2's small_block_size; B % b == 0): each step
+may commit only (a) with shifted logits, a masked FIRST position of the block, alone (its logit
+comes from the finished previous block: Fast-dLLM v2 decodes it as an AR step, by the forward that
+completes the previous block; here it is the block's first step, the commit window), else (b) the
+masked positions of the first sub-block that still holds a mask; the threshold rule below then runs
+on those candidates (with num_to_transfer = 1: those with p > threshold, else the most probable one
+= Fast-dLLM v2's "above the threshold, plus the argmax"). Every step is one forward over the whole
+block with the exact prefix cache (Fast-dLLM v2's `use_block_cache=False` path, its default, which
+its run_chatbot.py uses); its optional sub-block DualCache (use_block_cache=True) is not built.
 Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   sample v_i, p_i for every position (temperature 0: argmax over the vocabulary, p = its softmax
   probability; else logits / T, top-k, top-p, one draw (Gumbel-max), p under the filtered softmax);
@@ -125,12 +143,28 @@ def transfer_schedule(step_B, block: int, steps: int):
     return block // steps + (step_B < block % steps).astype(jnp.int32)
 
 
-def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool, n_B=None):
+def sub_block_candidates(masked_BS, sub: int, shift: int):
+    """Fast-dLLM v2's sub-block schedule -> the positions this step may commit (B, S) bool: the
+    masked positions of the first sub-block (of `sub` positions) that holds a mask; with shifted
+    logits (shift = 1), a masked first position of the block alone (its logit is the last row of
+    the previous block: it is decoded first, by itself, like an AR step)."""
+    B, S = masked_BS.shape
+    has = jnp.any(masked_BS.reshape(B, S // sub, sub), axis=-1)
+    cur = jnp.argmax(has, axis=-1)  # the first sub-block holding a mask
+    cand = masked_BS & ((jnp.arange(S) // sub)[None, :] == cur[:, None])
+    if shift:
+        head = masked_BS[:, :1]
+        cand = jnp.where(head, jnp.arange(S)[None, :] == 0, cand)
+    return cand
+
+
+def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool, n_B=None,
+                 cand_BS=None):
     """One LLaDA2 decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
     editable_BS: generated (non-prompt) positions of the block; n_B: the M2T count (default
-    knobs["num_to_transfer"])."""
+    knobs["num_to_transfer"]); cand_BS: the masked positions M2T may pick (default: every mask)."""
     v, p = sample_tokens(logits_BSV, knobs, keys_B)
-    masked = x_BS == mask_id
+    masked = x_BS == mask_id if cand_BS is None else cand_BS
     c = jnp.where(masked, p, -jnp.inf)
     high = masked & (c > knobs["threshold"][:, None])
     n = knobs["num_to_transfer"].astype(jnp.int32) if n_B is None else n_B
@@ -243,6 +277,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     cfg = module.cfg
     B = pad_B.shape[0]
     Bk, M = spec.block_length, spec.mask_id
+    sh, sb = spec.logit_shift, spec.sub_block_length
     from dinfer_jax.decoding.loop import row_gen_end
     gen_end = gen_start + spec.gen_length  # the program's generation region (static)
     gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
@@ -304,14 +339,19 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         V = cfg.vocab_size
 
         def window(size, back, persist):
+            # Shifted logits (sh = 1): the window starts one position earlier (a query only: its K/V
+            # stay the cached ones) and the logits rows are read one row earlier (module doc).
+            size, back = size + sh, back + sh
+            write = None if not sh else jnp.broadcast_to(jnp.arange(size) >= sh, (B, size))
+
             def run(_):
                 ws = start_B - back
                 with jax.named_scope("forward_block"):
                     logits, kv_new = module.apply(
                         {"params": params}, tokens_BS=window_slice(x, ws, size),
                         positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL, kv=kv,
-                        window_start=ws, key_positions_BL=positions_BL,
-                        logits_window=(jnp.full((B,), back, jnp.int32), Bk))
+                        window_start=ws, kv_write_BS=write, key_positions_BL=positions_BL,
+                        logits_window=(jnp.full((B,), back - sh, jnp.int32), Bk))
                 if persist is None:
                     return logits, kv
                 # Only the commit window persists: its previous block is clean, so those K/V are final.
@@ -340,7 +380,8 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                 new_blk, fin_ind, post_ind, ind, t2t, n_ins, n_del = indel_step(
                     logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
             else:
-                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B)
+                cand = sub_block_candidates(masked0 & in_gen, sb, sh) if sb else None
+                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B, cand)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
             x = window_write(x, new_blk, start_B)

@@ -32,7 +32,9 @@ strategy sees already-shifted block logits:
   row left (prefix_look = 0 extends the window as dual does).
 The row before a block is always a real token or a left pad: `DecodeSpec.head_room` reserves one
 extra left pad, so block start - 1 >= 0 even for aligned blocks that start at a row's first token.
-Iteration smoothing and block diffusion (cache="block") refuse shifted models.
+- block (cache="block", decoding/block_loop.py): every window gets one query-only position on the
+  left, as dual does.
+Iteration smoothing refuses shifted models.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class DecodeSpec:
     indel: bool = False  # block mode: LLaDA2.2 insert/delete editing (block_loop.indel_step; implies editing)
     alg: str = ""  # strategy "dream": Dream's rule, one of strategies.DREAM_ALGS
     logit_shift: int = 0  # the model's ModelConfig.logit_shift (see the module doc)
+    sub_block_length: int = 0  # cache="block": sub-blocks decoded left to right (block_loop.py; 0: off)
 
     def __post_init__(self):
         problems = []
@@ -90,8 +93,6 @@ class DecodeSpec:
             problems.append(f"logit_shift={self.logit_shift} must be 0 or 1")
         elif self.logit_shift and self.smoothing:
             problems.append("iteration smoothing with a shifted-logits model is not supported")
-        elif self.logit_shift and self.cache == "block":
-            problems.append("cache='block' (block diffusion) does not support shifted logits")
         if self.strategy in st.SCHEDULED and self.steps_per_block <= 0:
             problems.append(f"strategy {self.strategy!r} needs steps_per_block > 0")
         if self.smoothing and self.cache == "prefix":
@@ -106,6 +107,13 @@ class DecodeSpec:
                 problems.append("cache='block' takes no smoothing, start_block_align or refresh_every")
             if self.max_post_steps < 0:
                 problems.append(f"max_post_steps={self.max_post_steps} must be >= 0")
+            if self.sub_block_length < 0 or (self.sub_block_length and self.block_length % self.sub_block_length):
+                problems.append(f"sub_block_length={self.sub_block_length} must be 0 or divide "
+                                f"block_length={self.block_length}")
+            elif self.sub_block_length and (self.editing or self.steps_per_block):
+                problems.append("sub_block_length does not combine with editing or steps_per_block")
+        elif self.sub_block_length:
+            problems.append(f"sub_block_length={self.sub_block_length} needs cache='block' (block diffusion)")
         elif self.editing or self.indel:
             problems.append("token editing (editing_threshold, indel) needs cache='block' (block diffusion)")
         if problems:

@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Mapping
 
-_MODULES = ("llada", "llada_moe", "llada2", "dream", "sdar")
+_MODULES = ("llada", "llada_moe", "llada2", "dream", "sdar", "fast_dllm_v2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,157 @@
+"""Fast-dLLM v2 (NVlabs; Efficient-Large-Model/Fast_dLLM_v2_7B and _1.5B): Qwen2.5-Instruct fine-tuned
+(~1B tokens) into a block-diffusion model. The network is Qwen2's exactly (pre-norm RMSNorm, GQA,
+q/k/v projections WITH biases, o_proj without, full NeoX RoPE theta 1e6, SwiGLU, no q/k norm), with
+Qwen2's tensor names; inference attention is block-causal (bidirectional inside a block of
+`bd_size` = 32 positions, causal across blocks) and the logits are SHIFTED: the logits that decode
+position i are the output row of position i - 1 (`logit_shift=1`), keeping the AR head's meaning.
+
+Facts and their sources (read in public code; nothing copied):
+  [F1] NVlabs/Fast-dLLM `v2/run_chatbot.py` @ b9cf368 (the stored snapshot of the repo @ 24cc59e has no
+       v2/ directory; the index holds only that file, v2/index.html and v2/requirements.txt): loads the
+       HF folder with trust_remote_code, renders the tokenizer's chat template with
+       add_generation_prompt, calls model.generate(block_size=32, small_block_size=8, threshold=0.9,
+       max_new_tokens=2048), decodes with skip_special_tokens;
+  [F2] the HF remote code `modeling.py` of Fast_dLLM_v2_7B, read in a third-party copy
+       (Satgoy152/DualDiffusion @ 1aeb3d4, FastDLLM_inferencing/Fast_dLLM_v2_7B/modeling.py; its
+       README.md names base model Qwen/Qwen2.5-7B-Instruct, 28 layers, 28 / 4 heads, block 32):
+       classes Fast_dLLM_QwenForCausalLM / Fast_dLLM_QwenModel / Fast_dLLM_QwenConfig; q/k/v Linear
+       with bias, o_proj without; RMSNorm fp32 statistics; Qwen2 rotary over the whole head; attribute
+       names = Qwen2's (model.embed_tokens, model.layers.{l}.self_attn.{q,k,v,o}_proj,
+       mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm, model.norm, lm_head);
+       config field `bd_size` (the training block); inference mask: query block >= key block over
+       absolute positions (block = the generate() block_size, 32); generate() defaults mask_id 151665,
+       stop_token 151645 (<|im_end|>), threshold 1, small_block_size 8, block_size 32, top_p 0.95,
+       temperature 0, use_block_cache False; training: masked tokens + their complementary mask,
+       loss through the standard causal-LM (shifted-label) loss, hence the token shift.
+  DECODING [F2 generate()], temperature 0:
+    - prefill: the prompt's whole blocks go to an exact K/V cache; a prompt that ends on a block
+      boundary gets its next token by the argmax of the last prompt row (an AR step);
+    - per block (the prompt tail shares the first block): forwards cover the block only, reading the
+      cache; logits are shifted by one inside the block (position j uses row j - 1);
+    - sub-blocks of small_block_size 8, left to right; per step (one forward): the masked positions
+      of the current sub-block whose argmax probability exceeds the threshold, PLUS always the most
+      probable masked one (so >= 1 per step); until the sub-block has no mask;
+    - a finished block: one forward over it stores its K/V in the block cache (exact) and the
+      argmax of its last row becomes the first token of the next block (AR step);
+    - stop: when <|im_end|> (151645) is in the generated part with no mask before it; output cut
+      after it;
+    - use_block_cache=True (not the default, not used by run_chatbot.py): the sub-block DualCache:
+      at a sub-block start a forward over the whole block stores the block's K/V, later steps of the
+      sub-block run a forward over the sub-block only, replacing its own K/V in that block cache
+      (the rest of the block's K/V are stale); NOT BUILT here. In the copy read, that block cache
+      is not reset between blocks, so the first sub-block of a later block (whose first position is
+      the AR token, not a mask) reads the previous block's block cache: we could not tell whether
+      the released code does the same, one more reason it is not reproduced.
+  Our mapping (decoding/block_loop.py, module doc): SamplingParams(cache="block", block_length=32,
+  sub_block_length=8, threshold=0.9, num_to_transfer=1) with logit_shift=1. The block's AR head is
+  our block's first step (committed alone, from the last row of the previous block); tokens equal
+  Fast-dLLM v2's at temperature 0 (tests/test_fast_dllm_v2.py checks a host reference written from
+  these facts). Differences: NFE counts the head step of the first block when the prompt ends on a
+  block boundary (Fast-dLLM takes it from the prefill); at temperature > 0 the head is sampled like
+  any position (Fast-dLLM takes its argmax); we stop at the end of the block holding the stop id
+  (the tokens before it are the same: committed tokens never change); gen_length replaces
+  max_new_tokens // block_size blocks.
+  Chat template: Qwen2.5 ChatML (<|im_start|>role\\n...<|im_end|>\\n, generation prompt
+  <|im_start|>assistant\\n) [F1 uses the folder's own template; Qwen2.5-Instruct's also adds a
+  default system message when none is given, which the folder's template does and ours does not].
+
+ASSUMED (not seen): the config.json itself: architectures ["Fast_dLLM_QwenForCausalLM"] (the class
+name in [F2]), model_type "Fast_dLLM_Qwen" (we accept any), the mask id's presence as
+`mask_token_id` (else the default 151665), bd_size 32 when absent; eos 151645 / pad 151643 /
+vocab and shapes = Qwen2.5-{7B,1.5B}-Instruct's (7B: vocab 152064, untied; 1.5B: vocab 151936, tied
+embeddings, D 1536, 28 layers, 12 / 2 heads, F 8960); max_position_embeddings 32768.
+"""
+from __future__ import annotations
+
+from converters.mappings import Entry, decoder_entries
+from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
+from dinfer_jax.families import Family
+
+# [F2] generate(): mask_id 151665, stop_token 151645 (<|im_end|>); Qwen2.5 <|endoftext|> 151643 = pad.
+DEFAULT_IDS = dict(mask_token_id=151665, eos_token_id=151645, pad_token_id=151643, eot_token_id=None)
+BLOCK_SIZE, SUB_BLOCK = 32, 8  # [F1] block_size, small_block_size
+ARCH = "Fast_dLLM_QwenForCausalLM"
+
+
+def read_config(hf, ids_for_vocab, where) -> ModelConfig:
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"{where}: use_sliding_window=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
+    rs = hf.get("rope_scaling") or {}
+    if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
+        raise ConfigError(f"{where}: rope_scaling={hf['rope_scaling']} is not supported")
+    block = hf.get("bd_size", BLOCK_SIZE)
+    if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+        raise ConfigError(f"{where}: bd_size={block!r} must be a positive integer (Fast-dLLM v2's block)")
+    D = int(need(hf, "hidden_size", where=where))
+    N = int(need(hf, "num_attention_heads", where=where))
+    V = int(need(hf, "vocab_size", where=where))
+    return ModelConfig(
+        family="fast_dllm_v2", vocab_size=V, hidden_size=D,
+        num_layers=int(need(hf, "num_hidden_layers", where=where)), num_heads=N,
+        num_kv_heads=int(hf.get("num_key_value_heads") or N), head_dim=int(hf.get("head_dim") or D // N),
+        intermediate_size=int(need(hf, "intermediate_size", where=where)), rope_theta=rope_theta(hf, 1000000.0),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=True, logit_shift=1,
+        attention_mask="block_causal", block_size=block,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)), **ids_for_vocab(V))
+
+
+def write_config(cfg: ModelConfig) -> dict:
+    if not (cfg.qkv_bias and cfg.logit_shift == 1 and cfg.rotary == cfg.head_dim and not cfg.qk_norm
+            and not cfg.is_moe and cfg.attention_mask == "block_causal"):
+        raise ConfigError("a fast_dllm_v2 config needs qkv_bias, logit_shift=1, full rotary, no qk_norm, dense "
+                          "MLP, block-causal attention (the Fast_dLLM_QwenForCausalLM architecture)")
+    out = dict(
+        architectures=[ARCH], model_type="Fast_dLLM_Qwen",
+        auto_map={"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+                  "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+        hidden_act="silu", vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        rope_scaling=None, tie_word_embeddings=cfg.tie_word_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings, use_cache=False, use_sliding_window=False,
+        sliding_window=None, max_window_layers=cfg.num_layers, attention_dropout=0.0, bd_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.pad_token_id)
+    if cfg.eot_token_id is not None:
+        out["eot_token_id"] = cfg.eot_token_id
+    return out
+
+
+def weights(cfg: ModelConfig) -> list[Entry]:
+    """Qwen2 names with q/k/v biases [F2]; no lm_head when tied (1.5B, assumed)."""
+    return decoder_entries(cfg)
+
+
+# Qwen2.5 ChatML (module doc). A model folder's own chat_template (tokenizer_config.json) always wins.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_QWEN = dict(family="fast_dllm_v2", head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True,
+             logit_shift=1, attention_mask="block_causal", block_size=BLOCK_SIZE, max_position_embeddings=32768,
+             **DEFAULT_IDS)
+PRESETS = {
+    # Qwen2.5-7B-Instruct's shapes; layers / heads confirmed by [F2]'s README (ASSUMED: the rest).
+    "fast-dllm-v2-7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                                   num_kv_heads=4, intermediate_size=18944, **_QWEN),
+    # ASSUMED: Qwen2.5-1.5B-Instruct's shapes, tied embeddings.
+    "fast-dllm-v2-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                                     num_kv_heads=2, intermediate_size=8960, tie_word_embeddings=True, **_QWEN),
+    # Tiny Fast-dLLM-v2-shaped model for tests: GQA 4/2, biases, shifted logits, block 8.
+    "tiny-fast-dllm-v2": ModelConfig(
+        family="fast_dllm_v2", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=128, rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True, logit_shift=1,
+        attention_mask="block_causal", block_size=8, max_position_embeddings=512, mask_token_id=127,
+        eos_token_id=126, pad_token_id=125),
+}
+
+FAMILY = Family(
+    name="fast_dllm_v2", architectures=(ARCH,), read_config=read_config, write_config=write_config,
+    weights=weights, default_ids=DEFAULT_IDS, chat_template=CHAT_TEMPLATE, bos_token="", presets=PRESETS,
+    # [F1] run_chatbot.py: block 32, small block 8, threshold 0.9 (greedy: generate()'s temperature 0).
+    decoding=dict(block_length=BLOCK_SIZE, sub_block_length=SUB_BLOCK, strategy="threshold", threshold=0.9,
+                  cache="block"),
+)
