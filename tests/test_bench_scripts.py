@@ -153,6 +153,7 @@ def test_compare_peers_needs_checkouts(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert "not a checkout of inclusionAI/dInfer (missing the folder itself)" in r.stderr, r.stderr
 
+
 def test_quantize_memory_bench_tiny(tmp_path):
     """bench/quantize_memory.py at the tiny preset: three checkpoints, each loaded in its own process."""
     out = tmp_path / "q.json"
