@@ -261,6 +261,22 @@ def test_demo_model_quantized_logits_and_generation(demo):
     assert same == 1.0 and abs(runs["int8"][1].tpf - runs["fp32"][1].tpf) <= 1.0
 
 
+def test_block_demo_model_quantized_logits():
+    """The LLaDA2-architecture demo model (a dense leading layer, shared experts, sigmoid router):
+    every projection quantized through the same generic path. Measured: max logit error 0.006 (int8)
+    and 0.14 (fp8) of the logit scale, top-1 identical at all 24 positions for both."""
+    from dinfer_jax import load_model
+    from dinfer_jax.checkpoint import DEMO_BLOCK_MODEL_DIR
+    model = load_model(DEMO_BLOCK_MODEL_DIR)
+    ids = np.arange(24) % model.config.vocab_size
+    ref = model.logits(ids)
+    for kind, bound in (("int8", 0.03), ("fp8", 0.25)):
+        qmodel, _, meta = _quantized(model, kind)
+        assert {"dense_layers/mlp/gate_proj", "layers/mlp/shared/down_proj", "layers/mlp/up_proj"} <= set(meta)
+        out = qmodel.logits(ids)
+        assert np.abs(out - ref).max() < bound * np.abs(ref).max() and np.mean(out.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_generate_program_lowers_for_tpu_and_cuda(kind):
