@@ -110,7 +110,8 @@ def main():
                            capture_output=True, text=True, env=env)
         if p.returncode:
             raise SystemExit(f"{kind}: load/forward failed:\n{p.stderr[-3000:]}")
-        rows[kind] = {"disk_bytes": _du(dst), "disk_GiB": round(_du(dst) / 2**30, 3), "convert_seconds": times.get(kind),
+        rows[kind] = {"disk_bytes": _du(dst), "disk_GiB": round(_du(dst) / 2**30, 3),
+                      "convert_seconds": times.get(kind),
                       **json.loads(p.stdout.strip().splitlines()[-1])}
         print(kind, rows[kind], flush=True)
     ref = np.load(os.path.join(a.work, "logits_bf16.npy")).astype(np.float64)

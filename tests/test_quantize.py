@@ -324,4 +324,3 @@ print("MAXDIFF", float(np.abs(out - np.load({str(tmp_path / 'ref.npy')!r})).max(
     assert specs.count("expert") == 2 and specs.count("model") == 2, specs
     diff = float(next(line for line in p.stdout.splitlines() if line.startswith("MAXDIFF")).split()[1])
     assert diff < 1e-3, diff
-    json.dumps(specs)
