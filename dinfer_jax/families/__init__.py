@@ -14,6 +14,12 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Mapping
 
+# ChatML turns (Qwen-based families: Dream, SDAR, Fast-dLLM v2), the plain-message path of their
+# templates. A model folder's own chat_template (tokenizer_config.json) always wins.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 _MODULES = ("llada", "llada_moe", "llada2", "dream", "sdar", "fast_dllm_v2")
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
-from dinfer_jax.families import Family
+from dinfer_jax.families import CHATML_TEMPLATE, Family
 
 # Qwen2.5 tokenizer ids (§13.1): <|mask|> 151666; <|endoftext|> 151643 = eos = pad = bos.
 DEFAULT_IDS = dict(mask_token_id=151666, eos_token_id=151643, pad_token_id=151643, eot_token_id=None)
@@ -74,9 +74,7 @@ def weights(cfg: ModelConfig) -> list[Entry]:
 
 
 # Qwen's ChatML turn format. A model folder's own chat_template (tokenizer_config.json) always wins.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = CHATML_TEMPLATE
 
 _QWEN = dict(family="dream", rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True, logit_shift=1)
 PRESETS = {

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
-from dinfer_jax.families import Family
+from dinfer_jax.families import CHATML_TEMPLATE, Family
 
 # [F2] generate(): mask_id 151665, stop_token 151645 (<|im_end|>); Qwen2.5 <|endoftext|> 151643 = pad.
 DEFAULT_IDS = dict(mask_token_id=151665, eos_token_id=151645, pad_token_id=151643, eot_token_id=None)
@@ -126,9 +126,7 @@ def weights(cfg: ModelConfig) -> list[Entry]:
 
 
 # Qwen2.5 ChatML (module doc). A model folder's own chat_template (tokenizer_config.json) always wins.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = CHATML_TEMPLATE
 
 _QWEN = dict(family="fast_dllm_v2", head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True,
              logit_shift=1, attention_mask="block_causal", block_size=BLOCK_SIZE, max_position_embeddings=32768,

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
-from dinfer_jax.families import Family
+from dinfer_jax.families import CHATML_TEMPLATE, Family
 
 # [C1]: <MASK> 151669 (config.json mask_token_id), <|endoftext|> 151643 = bos = eos = pad,
 # <|im_end|> 151645 ends a chat turn (generation_config.json's first eos).
@@ -150,9 +150,7 @@ def weights(cfg: ModelConfig) -> list[Entry]:
 
 # Qwen3 ChatML [C1 chat_template.jinja, its plain-message path; tools and <think> handling are in the
 # model folder's own template, which always wins].
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = CHATML_TEMPLATE
 
 _QWEN = dict(family="sdar", vocab_size=151936, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, qk_norm=True,
              attention_mask="block_causal", block_size=BLOCK_SIZE, max_position_embeddings=32768, **DEFAULT_IDS)
