@@ -3,7 +3,8 @@ at every supported shape: interpret mode does not enforce the TPU (8, 128) block
 Triton's power-of-2 rule, lowering does.
 
 Matrix (bf16): (N, K, H) in {16/16/128 LLaDA-MoE, 32/32/128 LLaDA-8B, 16/4/128 LLaDA2 GQA 4:1,
-32/8/64 and 8/8/64 (H 64: two kv heads per 128-lane block), 16/2/64}; window S in {8, 32, 64} (a
+32/8/64 and 8/8/64 (H 64: two kv heads per 128-lane block), 16/2/64, 28/4/128 (Qwen2.5-7B: group 7,
+padded to 8 on Triton)}; window S in {8, 32, 64} (a
 block) and 72 / 200 (vicinity / odd); cache L in {1024, 1088 (not a tile multiple), 4096, 32768};
 masks: key padding, key padding + block-causal (block 32); batch 1 and 16 (L 32k with batch 1).
 Each lowering is ~0.1 s.
@@ -21,7 +22,7 @@ from pallas_kernels.attention import BlockSizes, flash_attention
 pytestmark = pytest.mark.smoke
 
 SDS = jax.ShapeDtypeStruct
-HEADS = [(16, 16, 128), (32, 32, 128), (16, 4, 128), (32, 8, 64), (8, 8, 64), (16, 2, 64)]
+HEADS = [(16, 16, 128), (32, 32, 128), (16, 4, 128), (32, 8, 64), (8, 8, 64), (16, 2, 64), (28, 4, 128)]
 WINDOWS = [(1, 8, 1024), (16, 32, 4096), (1, 64, 1088), (16, 72, 1024), (1, 200, 32768), (1, 64, 32768)]
 
 

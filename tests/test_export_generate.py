@@ -10,7 +10,8 @@ Matrix: MODELS x {tpu, cuda} x cache {none, prefix, dual, vicinity, block (LLaDA
 {1, 16}, prompt 64, gen 128, block 64 (LLaDA2: 32, its attention block), bf16, one device; plus one long canvas per model (prompt 3968 ->
 L 4160 on TPU). Kernel-level shapes beyond the models' (GQA 16/4, H 64, L 32k, block-causal) are
 in tests/test_attention_lowering.py. Also the continuous-batching programs (init, segment, prefix-cache
-prefill) per model x platform at 4 slots. Rows (size, lowering time) are printed at the end (-s).
+prefill) per model x platform at 4 slots, and the Dream / SDAR / Fast-dLLM v2 decoders at their full
+shapes. Rows (size, lowering time) are printed at the end (-s).
 """
 import functools
 
@@ -70,6 +71,26 @@ def test_generate_program_exports(name, platform, cache, batch):
     sp = SamplingParams(gen_length=128, block_length=cfg.block_size or 64, cache=cache)
     r = export_generate(cfg, platform, batch=batch, prompt_len=64, sampling=sp, model=_model(name, platform))
     assert r.batch == batch and r.canvas_length >= 64 + 128
+    _check(r, name, cfg)
+
+
+# The Qwen-based families with their own decoders, at full shapes: Dream's sampler (shifted logits,
+# dual cache), SDAR's block rule (Qwen3 q/k norm, block 4; dense 8B and the 30B-A3B MoE), Fast-dLLM v2's sub-blocks with shifted
+# logits on the block path (Qwen2.5-7B: 28/4 heads, a query group of 7, padded to 8 on Triton).
+FAMILY_DECODERS = [
+    ("dream-7b", dict(gen_length=128, block_length=128, strategy="dream", alg="entropy", steps=128, cache="dual")),
+    ("sdar-8b", dict(gen_length=128, block_length=4, steps=4, threshold=0.85, cache="block")),
+    ("sdar-30b-a3b", dict(gen_length=128, block_length=4, steps=4, threshold=0.85, cache="block")),
+    ("fast-dllm-v2-7b", dict(gen_length=128, block_length=32, sub_block_length=8, threshold=0.9, cache="block")),
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name,knobs", FAMILY_DECODERS, ids=[n for n, _ in FAMILY_DECODERS])
+def test_family_decoders_export(name, knobs, platform):
+    cfg = preset(name)
+    r = export_generate(cfg, platform, batch=1, prompt_len=64, sampling=SamplingParams(**knobs),
+                        model=abstract_model(cfg, platform))
     _check(r, name, cfg)
 
 

@@ -25,7 +25,8 @@ VMEM holds O(bq*W + bkv*W) per step whatever L is (32k caches fit); the cache is
 partial last kv tile is masked in-kernel), so a forward reads it once and copies none of it.
 GPU ("gpu", Triton): grid (B, K, S_pad/bq) (P = 1), each program streams the kv tiles of its head
 with a fori_loop over the full-length ref; Triton needs every in-kernel array power-of-2 sized, so
-bq, bkv are powers of two (>= 16 for tl.dot), and H and G must be too.
+bq, bkv are powers of two (>= 16 for tl.dot), and H and G must be too: a query group G that is
+not one (Qwen2.5-7B: 28/4 = 7) is padded with zero queries to the next power of two.
 Interpret mode (interpret=True) runs either body on any platform; that is how CPU tests check it.
 """
 from __future__ import annotations
@@ -207,9 +208,6 @@ def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_
         raise ValueError(f"flash_attention: {N} query heads is not a multiple of {K} kv heads")
     if H not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"flash_attention: head_dim={H} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
-    if backend == "gpu" and (N // K) & (N // K - 1):
-        raise ValueError(f"flash_attention: the Triton path needs a power-of-2 number of query heads per kv "
-                         f"head, got {N}/{K}")
     if key_mask_BL is not None and tuple(key_mask_BL.shape) != (B, L):
         raise ValueError(f"flash_attention: key_mask shape {tuple(key_mask_BL.shape)} != (B, L) = {(B, L)}")
     if block_size < 0:
@@ -241,6 +239,15 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
     B, S, N, H = q_BSNH.shape
     L, K = k_BLKH.shape[1], k_BLKH.shape[2]
     G = N // K
+    if backend == "gpu" and G & (G - 1):
+        # Triton needs a power-of-2 query group (e.g. Qwen2.5-7B's 28/4 = 7): pad each group with
+        # zero queries to the next power of two, attend, drop them (G'/G more query work, same cache reads).
+        Gp = 1 << (G - 1).bit_length()
+        q_pad = jnp.pad(q_BSNH.reshape(B, S, K, G, H), ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
+        o = flash_attention(q_pad.reshape(B, S, K * Gp, H), k_BLKH, v_BLKH, key_mask_BL, q_pos_BS=q_pos_BS,
+                            k_pos_BL=k_pos_BL, block_size=block_size, scale=scale, block_sizes=block_sizes,
+                            backend=backend, interpret=interpret, poison_output=poison_output)
+        return o.reshape(B, S, K, Gp, H)[:, :, :, :G].reshape(B, S, N, H)
     P = heads_per_block(K, H, backend)
     W = P * H
     bq, bkv, S_pad, L_pad = tiles(S, L, block_sizes, backend)
