@@ -327,3 +327,27 @@ def sdar_state_dict(model, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def convert_export_round_trip(hf_dir: str, tmp_dir) -> tuple[str, dict[str, np.ndarray]]:
+    """HF folder -> our checkpoint -> HF folder again (converters.convert, then export) under tmp_dir;
+    returns the exported folder and its tensors, read by safetensors' own numpy reader (not ours)."""
+    from safetensors.numpy import load_file
+
+    from converters import convert, export
+    mid, back = os.path.join(str(tmp_dir), "ckpt"), os.path.join(str(tmp_dir), "hf_back")
+    convert(hf_dir, mid, progress=False)
+    export(mid, back, progress=False)
+    got = {}
+    for f in sorted(os.listdir(back)):
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(back, f)))
+    return back, got
+
+
+def assert_bit_exact(got: dict[str, np.ndarray], want: dict[str, torch.Tensor]):
+    """The same tensor names, and per tensor the same dtype and bytes."""
+    want = {k: v.numpy() for k, v in want.items()}
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k

@@ -105,19 +105,10 @@ def test_logits_match_qwen2_with_left_padding(dream_ref, dream_model, rng):
 
 
 def test_converter_round_trip_bit_exact(tmp_path, dream_ref, dream_hf_dir):
-    from safetensors.numpy import load_file
-    from converters import convert, export
-    mid, back = str(tmp_path / "mid"), str(tmp_path / "back")
-    convert(dream_hf_dir, mid, progress=False)
-    export(mid, back, progress=False)
-    got = {}
-    for f in os.listdir(back):
-        if f.endswith(".safetensors"):
-            got.update(load_file(os.path.join(back, f)))
-    want = {k: v.numpy() for k, v in dream_ref.state_dict().items()}
-    assert got.keys() == want.keys() and any(k.endswith("q_proj.bias") for k in got)
-    for k in want:
-        assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+    from hf_reference import assert_bit_exact, convert_export_round_trip
+    back, got = convert_export_round_trip(dream_hf_dir, tmp_path)
+    assert_bit_exact(got, dream_ref.state_dict())
+    assert any(k.endswith("q_proj.bias") for k in got)
     assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(dream_hf_dir, "config.json")))
 
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from hf_reference import (block_causal_logits, bidirectional_logits, causal_logits, glm4_moe_reference,  # noqa: E402
                           llada2_state_dict, write_hf_folder)
 
-from converters import ConversionError, convert, export  # noqa: E402
+from converters import ConversionError, convert  # noqa: E402
 from dinfer_jax.config import ConfigError, from_hf_dict, load_hf_config, preset  # noqa: E402
 from dinfer_jax.models.moe import route_sigmoid_group  # noqa: E402
 
@@ -246,18 +246,9 @@ def test_cached_window_equals_full_block_causal_forward(model):
 
 # ------------------------------------------------------------------------------------ converters
 def test_convert_export_round_trip_bit_exact(hf_dir, ref, tmp_path):
-    from safetensors.numpy import load_file
-    dst, back = str(tmp_path / "ckpt"), str(tmp_path / "hf_back")
-    convert(hf_dir, dst, progress=False)
-    export(dst, back, progress=False)
-    got = {}
-    for f in os.listdir(back):
-        if f.endswith(".safetensors"):
-            got.update(load_file(os.path.join(back, f)))
-    want = {k: v.numpy() for k, v in ref[1].items()}
-    assert sorted(got) == sorted(want)
-    for k in want:
-        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    from hf_reference import assert_bit_exact, convert_export_round_trip
+    back, got = convert_export_round_trip(hf_dir, tmp_path)
+    assert_bit_exact(got, ref[1])
     assert load_hf_config(back) == load_hf_config(hf_dir)
 
 

@@ -195,21 +195,10 @@ def test_left_padding_matches_transformers(case):
 
 # ------------------------------------------------------------------------------------ converters
 def test_convert_export_round_trip_bit_exact(case, tmp_path):
-    from safetensors.numpy import load_file
-
-    from converters import convert, export
+    from hf_reference import assert_bit_exact, convert_export_round_trip
     cfg, _, sd, d, _ = case
-    dst, back = str(tmp_path / "ckpt"), str(tmp_path / "hf_back")
-    convert(d, dst, progress=False)
-    export(dst, back, progress=False)
-    got = {}
-    for f in os.listdir(back):
-        if f.endswith(".safetensors"):
-            got.update(load_file(os.path.join(back, f)))
-    want = {k: v.numpy() for k, v in sd.items()}
-    assert sorted(got) == sorted(want)
-    for k in want:
-        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    back, got = convert_export_round_trip(d, tmp_path)
+    assert_bit_exact(got, sd)
     assert load_hf_config(back) == load_hf_config(d) == cfg
     hf_back = json.load(open(os.path.join(back, "config.json")))
     assert hf_back["architectures"] == (["SDARMoeForCausalLM"] if cfg.is_moe else ["SDARForCausalLM"])
