@@ -43,6 +43,13 @@ round; medians + min/max. Tokens are compared on every round: generated tokens w
 differing position and how near a tie the decision was there (`margin_at`: top-1 minus top-2 logit
 and confidence minus tau from our model's forward), not hidden.
 
+On a GPU (`--device cuda`, bench/gpu/run.sh does this with checkouts in .peers/): the peers on torch's
+CUDA device, ours on JAX's GPU backend, `--dtype bfloat16` (or float32 with full-precision dots on
+both sides: JAX's "highest" matmul precision, torch's allow_tf32 off). The `8b-4l` model has
+LLaDA-8B's widths and vocabulary with 4 of its 32 layers (1.9 B params). dInfer's fastest path
+(decoding/diffusion_runner.py: torch.compile + CUDA graphs) imports SGLang, which the GPU image does
+not have: its eager BlockWiseDiffusionLLM (the one above) is what runs.
+
 Threads: `--threads` (default 2, as bench/compare_torch.py) pins the process and sets torch's
 threads. On a box whose cores are shared with other busy processes use `--threads 1`: torch's
 OpenMP regions then wait on a descheduled second thread and the peers slow down 10-70x (RESULTS.md).
@@ -75,6 +82,10 @@ MODELS = {
     "medium": dict(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16, head_dim=64,
                    intermediate_size=2816, mask_token_id=31999, eos_token_id=31998, pad_token_id=31998,
                    eot_token_id=31997),
+    # LLaDA-8B's layer widths and vocabulary, 4 of its 32 layers (1.9 B params): for accelerators.
+    "8b-4l": dict(vocab_size=126464, hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=32, head_dim=128,
+                  intermediate_size=12288, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
+                  eot_token_id=126348),
     "tiny": dict(vocab_size=100, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=32,
                  intermediate_size=512, mask_token_id=1, eos_token_id=0, pad_token_id=0, eot_token_id=2),
 }
@@ -107,8 +118,8 @@ def git_commit(path: str) -> str | None:
 # The peers
 
 
-def load_llada(modeling, hf_dir: str, who: str):
-    """The peer's own LLaDAModelLM from our HF export, fp32 on CPU. Not `from_pretrained`: under
+def load_llada(modeling, hf_dir: str, who: str, device: str = "cpu", dtype: str = "float32"):
+    """The peer's own LLaDAModelLM from our HF export, in `dtype` on `device`. Not `from_pretrained`: under
     transformers 5 it fails for both peers' classes (written for transformers 4.x: no post_init, so
     `all_tied_weights_keys` is missing), and dInfer's __init__ would put the model on CUDA. Instead:
     their LLaDAConfig.from_pretrained, their create_model_config_from_pretrained_config, their
@@ -128,14 +139,15 @@ def load_llada(modeling, hf_dir: str, who: str):
     if missing or unexpected:
         raise RuntimeError(f"{who} LLaDAModelLM did not load every tensor: missing {missing}, "
                            f"unexpected {unexpected}")
-    return model.float().eval()
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
 class FastDLLMSide:
     name = "fast-dllm"
     early_stop = False  # generate_with_dual_cache decodes every block
 
-    def __init__(self, checkout: str, hf_dir: str, cfg, threshold: float):
+    def __init__(self, checkout: str, hf_dir: str, cfg, threshold: float, device: str = "cpu",
+                 dtype: str = "float32"):
         import torch
         sys.path.insert(0, os.path.join(checkout, "llada"))
         try:
@@ -144,11 +156,11 @@ class FastDLLMSide:
             sys.path.pop(0)
         self.torch, self.fn = torch, gen.generate_with_dual_cache
         modeling = sys.modules["model.modeling_llada"]
-        self.model = load_llada(modeling, hf_dir, "Fast-dLLM")
-        self.cfg, self.threshold = cfg, threshold
+        self.model = load_llada(modeling, hf_dir, "Fast-dLLM", device, dtype)
+        self.cfg, self.threshold, self.device = cfg, threshold, device
 
     def generate(self, prompt, gen_length, block_length):
-        x, nfe = self.fn(self.model, self.torch.tensor([prompt]), steps=gen_length, gen_length=gen_length,
+        x, nfe = self.fn(self.model, self.torch.tensor([prompt], device=self.device), steps=gen_length, gen_length=gen_length,
                          block_length=block_length, temperature=0.0, remasking="low_confidence",
                          mask_id=self.cfg.mask_token_id, threshold=self.threshold)
         return x[0, len(prompt):].tolist(), int(nfe)
@@ -188,13 +200,14 @@ class DInferSide:
     name = "dinfer"
     early_stop = True
 
-    def __init__(self, checkout: str, hf_dir: str, cfg, threshold: float):
+    def __init__(self, checkout: str, hf_dir: str, cfg, threshold: float, device: str = "cpu",
+                 dtype: str = "float32"):
         import torch
         modeling, uniform, strategy, utils = import_dinfer(checkout)
         SHIMS.append("dInfer LLaDAModelLM.__init__ hardcodes init_device='cuda' (modeling_llada.py, "
                      "LLaDAModelLM.__init__): built as for Fast-dLLM, with its LLaDAModel on init_device='cpu'")
-        self.model = load_llada(modeling, hf_dir, "dInfer")
-        self.torch = torch
+        self.model = load_llada(modeling, hf_dir, "dInfer", device, dtype)
+        self.torch, self.device = torch, device
         decoder = strategy.ThresholdParallelDecoder(temperature=0, threshold=threshold,
                                                     mask_id=cfg.mask_token_id, eos_id=cfg.eos_token_id)
         self.dllm = uniform.BlockWiseDiffusionLLM(self.model, decoder, utils.BlockIteratorFactory(),
@@ -202,7 +215,7 @@ class DInferSide:
 
     def generate(self, prompt, gen_length, block_length):
         before = self.dllm.num_forwards
-        out = self.dllm.generate(self.torch.tensor([prompt]), gen_length=gen_length, block_length=block_length)
+        out = self.dllm.generate(self.torch.tensor([prompt], device=self.device), gen_length=gen_length, block_length=block_length)
         return out[0, len(prompt):].tolist(), int(self.dllm.num_forwards - before)
 
 
@@ -224,8 +237,9 @@ class JaxSide:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_checkpoint(kind: str, head_scale: float, work: str):
-    """-> (dinfer-jax checkpoint folder, HF export folder, ModelConfig)."""
+def build_checkpoint(kind: str, head_scale: float, work: str, dtype: str = "float32"):
+    """-> (dinfer-jax checkpoint folder, HF export folder, ModelConfig). Weights drawn in fp32, stored
+    in `dtype` (bfloat16 halves the files of the accelerator-sized model)."""
     from converters import export
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax import preset
@@ -234,6 +248,9 @@ def build_checkpoint(kind: str, head_scale: float, work: str):
     params = random_params(cfg, seed=0)
     params["lm_head/kernel"] *= head_scale
     params["lm_head/kernel"][:, cfg.mask_token_id] = 0.0  # nobody predicts [MASK]
+    if dtype != "float32":
+        import ml_dtypes
+        params = {k: v.astype(getattr(ml_dtypes, dtype)) for k, v in params.items()}
     dst, hf = os.path.join(work, kind, "ckpt"), os.path.join(work, kind, "hf")
     ckpt.save_params(dst, params, to_hf_dict(cfg))
     export(dst, hf, progress=False)
@@ -347,7 +364,12 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--head-scale", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for XLA:CPU and torch, process pinned (default 2 on cpu; not pinned on cuda)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the peers on torch's GPU, ours on JAX's default (GPU) backend")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="weights and compute of every side; float32 matmuls at full precision on both sides")
     ap.add_argument("--out", help="write the rows, versions and peer commits here (JSON)")
     a = ap.parse_args(argv)
     if not a.fast_dllm and not a.dinfer:
@@ -355,6 +377,8 @@ def parse_args(argv=None):
                  "github.com/inclusionAI/dInfer); the peers are not vendored")
     a.fast_dllm = check_checkout(a.fast_dllm, "fast-dllm", FAST_DLLM_FILES, "NVlabs/Fast-dLLM")
     a.dinfer = check_checkout(a.dinfer, "dinfer", DINFER_FILES, "inclusionAI/dInfer")
+    if a.threads is None and a.device == "cpu":
+        a.threads = 2
     bad = set(a.models.split(",")) - set(MODELS)
     if bad:
         ap.error(f"unknown models {sorted(bad)}; choose from {', '.join(MODELS)}")
@@ -371,24 +395,39 @@ def versions() -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    pin_threads(args.threads)
+    if args.threads:
+        pin_threads(args.threads)
+    import jax
     import jax.numpy as jnp
     import torch
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+            raise SystemExit(f"--device cuda: torch sees a GPU: {torch.cuda.is_available()}, JAX backend: "
+                             f"{jax.default_backend()}")
+        if args.dtype == "float32":
+            # fp32 at full precision on both sides: JAX's default lets XLA:GPU use TF32 for fp32 dots;
+            # torch's matmul default (allow_tf32 False) does not. (Not for bf16: "highest" would upcast.)
+            jax.config.update("jax_default_matmul_precision", "highest")
+            torch.backends.cuda.matmul.allow_tf32 = False
+        print(f"GPU: torch {torch.cuda.get_device_name()}, jax {jax.devices()[0]}", flush=True)
     from dinfer_jax import load_model
     commits = {"fast-dllm": git_commit(args.fast_dllm) if args.fast_dllm else None,
                "dinfer": git_commit(args.dinfer) if args.dinfer else None}
     rows = {}
     with tempfile.TemporaryDirectory(prefix="compare_peers_") as work:
         for kind in args.models.split(","):
-            folder, hf, cfg = build_checkpoint(kind, args.head_scale, work)
-            model = load_model(folder, dtype=jnp.float32)
+            t = time.perf_counter()
+            folder, hf, cfg = build_checkpoint(kind, args.head_scale, work, args.dtype)
+            print(f"[{kind}] checkpoint + HF export ({args.dtype}): {time.perf_counter() - t:.1f} s", flush=True)
+            model = load_model(folder, dtype=getattr(jnp, args.dtype))
             prompts = random_prompts(cfg, args.num_prompts, args.prompt_len, seed=0)
             peers = []
             if args.fast_dllm:
-                peers.append(FastDLLMSide(args.fast_dllm, hf, cfg, args.threshold))
+                peers.append(FastDLLMSide(args.fast_dllm, hf, cfg, args.threshold, args.device, args.dtype))
             if args.dinfer:
-                peers.append(DInferSide(args.dinfer, hf, cfg, args.threshold))
+                peers.append(DInferSide(args.dinfer, hf, cfg, args.threshold, args.device, args.dtype))
             if kind == args.models.split(",")[0]:
                 print("peer shims:", *SHIMS, sep="\n  ", flush=True)
             rows[kind] = []
@@ -402,6 +441,8 @@ def main(argv=None):
         record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": " ".join(["bench/compare_peers.py"] + (list(argv) if argv is not None else sys.argv[1:])),
                   "peer_commits": commits, "peer_shims": SHIMS, "versions": versions(), "threads": args.threads,
+                  "device": args.device, "dtype": args.dtype,
+                  "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                   "cpus": sorted(os.sched_getaffinity(0)),
                   "models": {k: MODELS[k] for k in rows}, "head_scale": args.head_scale,
                   "prompt_len": args.prompt_len, "num_prompts": args.num_prompts, "repeats": args.repeats,

@@ -25,6 +25,10 @@ def test_gpu_kernel_bench_tiny_on_cpu(tmp_path):
         assert r["nfe_full"] >= 32 // 16 and r["nfe_window"] >= 0 and r["tokens"] == r["batch"] * 32  # no early stop
         assert r["gen_floor_s"] > 0 and r["measured_over_floor"] > 0
     assert "| batch | seconds | NFE full+window |" in (tmp_path / "e2e_bench.log").read_text()
+    llada2 = json.loads((tmp_path / "e2e_llada2.json").read_text())  # block diffusion (cache="block")
+    assert [r["batch"] for r in llada2["rows"]] == [2]
+    assert llada2["rows"][0]["nfe_window"] >= 32 // 8 and llada2["rows"][0]["tokens"] == 2 * 32
+    assert "FAILED" not in r.stdout
 
 
 def test_roofline_counts_match_xla_cost_analysis(tmp_path):

@@ -43,7 +43,10 @@ from dinfer_jax import SamplingParams, preset  # noqa: E402
 from dinfer_jax.engine import Generator  # noqa: E402
 from dinfer_jax.model import Model  # noqa: E402
 
-CACHE_KIND = {"dual": "dual", "prefix": "prefix", "vicinity": "vicinity", "none": "full"}
+# roofline window kind per cache. "block" (block diffusion, LLaDA2 / SDAR): a window of the block over
+# the cached canvas, costed as a dual-cache window (an upper bound on its attention bytes: block-causal
+# windows read only the blocks before them; weights dominate the bytes at these batches anyway).
+CACHE_KIND = {"dual": "dual", "prefix": "prefix", "vicinity": "vicinity", "none": "full", "block": "dual"}
 
 
 def tiny_config():
@@ -75,7 +78,7 @@ def main(argv=None):
     backend = jax.default_backend()
     dtype = jnp.dtype(a.dtype or ("float32" if backend == "cpu" else "bfloat16"))
     if a.tiny:
-        cfg = tiny_config()
+        cfg = preset(a.preset) if a.preset.startswith("tiny") else tiny_config()
         batches, prompt, gen, block = a.batches or [1, 4], a.prompt or 24, a.gen or 32, a.block or 16
         repeats, mm_n, copy_bytes = min(a.repeats, 2), 256, 8 << 20
     else:

@@ -28,17 +28,29 @@ def median_ms(fn, *args, repeats=10):
     return statistics.median(ts) * 1e3
 
 
+class Rows(list):
+    """A list of result rows that prints each one (a JSON line) as it is added: a run cut short by a
+    time limit keeps what it measured."""
+
+    def append(self, row):
+        print(json.dumps(row), flush=True)
+        super().append(row)
+
+
 def attention_rows(tiny: bool, repeats: int):
     from pallas_kernels.attention import BlockSizes, attention
     on_accel = jax.default_backend() in ("gpu", "tpu")
     dtype = jnp.bfloat16
-    # (B, S, L, N, K, H, block_size): LLaDA-MoE windows over caches up to 32k; LLaDA2-style GQA 16/4
-    # with the block-causal mask (block 32).
-    shapes = ([(1, 8, 160, 4, 2, 16, 0), (1, 8, 160, 4, 2, 16, 4)] if tiny else
+    # (B, S, L, N, K, H, block_size): LLaDA-MoE windows over caches up to 32k and its full refresh
+    # (S = L = 512); LLaDA2-style GQA 16/4 with the block-causal mask (block 32); Qwen2.5-7B's 28/4
+    # (Dream / Fast-dLLM v2: a query group of 7, padded to 8 by the GPU kernel) block-causal.
+    shapes = ([(1, 8, 160, 4, 2, 16, 0), (1, 8, 160, 4, 2, 16, 4), (1, 8, 160, 7, 1, 16, 4)] if tiny else
               [(B, 64, L, 16, 16, 128, 0) for B in (1, 8) for L in (1024, 4096, 32768)]
-              + [(B, 32, 4096, 16, 4, 128, 32) for B in (1, 16)])
+              + [(B, 512, 512, 16, 16, 128, 0) for B in (1, 16)]
+              + [(B, 32, 4096, 16, 4, 128, 32) for B in (1, 16)]
+              + [(B, 32, 4096, 28, 4, 128, 32) for B in (1, 16)])
     impls = ["xla", "pallas"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
-    rows = []
+    rows = Rows()
     for B, S, L, N, K, H, block_size in shapes:
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (B, S, N, H), dtype)
@@ -47,7 +59,11 @@ def attention_rows(tiny: bool, repeats: int):
         mask = jnp.arange(L)[None, :] >= jnp.arange(B)[:, None] * 7
         k_pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         q_pos = k_pos[:, L - S:]  # the window is the last S positions
-        ref = None
+        # fp32 reference (the XLA path on fp32 copies of the same bf16 inputs, full-precision dots)
+        with jax.default_matmul_precision("highest"):
+            ref = jax.jit(lambda q, k, v, m, bsz=block_size: attention(
+                q, k, v, m, q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=bsz, impl="xla"))(
+                *(a.astype(jnp.float32) for a in (q, k, v)), mask).astype(jnp.float32)
         for impl in impls:
             f = jax.jit(lambda q, k, v, m, impl=impl, bsz=block_size: attention(
                 q, k, v, m, q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=bsz, impl=impl,
@@ -60,12 +76,12 @@ def attention_rows(tiny: bool, repeats: int):
                 rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size,
                                  error=str(e)[:200]))
                 continue
-            if ref is None:
-                ref = out
-            err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+            out32 = out.astype(jnp.float32)
+            err = float(jnp.linalg.norm(out32 - ref) / jnp.linalg.norm(ref))
+            finite = bool(jnp.all(jnp.isfinite(out32)))
             bytes_moved = 2 * (q.size + 2 * k.size + q.size)
             rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size, ms=round(ms, 4),
-                             GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_first=round(err, 5)))
+                             GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_fp32=round(err, 5), finite=finite))
     return rows
 
 
@@ -78,16 +94,35 @@ def moe_rows(tiny: bool, repeats: int):
     wr = jax.random.normal(ks[1], (D, E), dtype) * 0.1
     wg, wu = (jax.random.normal(k, (E, D, F), dtype) * 0.02 for k in ks[2:4])
     wd = jax.random.normal(ks[4], (E, F, D), dtype) * 0.02
-    rows = []
+    rows = Rows()
     impls = (("ragged_dot", experts_ragged), ("tiled", experts_tiled), ("dense", experts_dense))
     if jax.default_backend() == "tpu":  # the Pallas GMM kernel only compiles (Mosaic) on TPU
         impls += (("pallas_gmm", experts_pallas),)
-    for name, fn in impls:
-        f = jax.jit(lambda x, fn=fn: fn(x, *route(x, wr, X, False), wg, wu, wd))
-        ms = median_ms(f, x, repeats=repeats)
+    from dinfer_jax.models.quant import quantize
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(lambda x: experts_dense(x.astype(jnp.float32), *route(x, wr, X, False),
+                                              *(w.astype(jnp.float32) for w in (wg, wu, wd))))(x)
+    variants = [(name, fn, None) for name, fn in impls]
+    # Quantized expert stacks (per-channel int8; fp8 e4m3 with 128x128 block scales), dequantized
+    # inside the expert matmul; weights quantized once on the host.
+    qw = {kind: tuple(jax.device_put(quantize(w, kind, 1, 1)) for w in (wg, wu, wd)) for kind in ("int8", "fp8")}
+    variants += [(f"{name}+{kind}", fn, kind) for kind in ("int8", "fp8")
+                 for name, fn in impls if name in ("ragged_dot", "tiled")]
+    for name, fn, kind in variants:
+        ws = (wg, wu, wd) if kind is None else qw[kind]
+        f = jax.jit(lambda x, ws, fn=fn: fn(x, *route(x, wr, X, False), *ws))
+        try:
+            out = f(x, ws)
+            ms = median_ms(f, x, ws, repeats=repeats)
+        except Exception as e:  # record why, keep going
+            rows.append(dict(op="moe", impl=name, T=T, D=D, F=F, E=E, X=X, error=str(e)[:200]))
+            continue
+        err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
         flops = 2 * T * X * 3 * D * F
+        wbytes = sum(int(getattr(w, "q", w).nbytes) for w in ws)
         rows.append(dict(op="moe", impl=name, T=T, D=D, F=F, E=E, X=X, ms=round(ms, 4),
-                         useful_TFLOPs=round(flops / ms / 1e9, 3)))
+                         useful_TFLOPs=round(flops / ms / 1e9, 3), weight_GBps=round(wbytes / ms / 1e6, 1),
+                         rel_err_vs_fp32=round(err, 5)))
     return rows
 
 
@@ -98,14 +133,14 @@ def main():
     a = ap.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     rows = attention_rows(a.tiny, a.repeats) + moe_rows(a.tiny, a.repeats)
-    for r in rows:
-        print(json.dumps(r))
     print("\n| op | impl | shape | ms | note |\n|---|---|---|---|---|")
     for r in rows:
         shape = (f"B{r['B']} S{r['S']} L{r['L']} N{r['N']} K{r['K']} H{r['H']} blk{r['bs']}" if r["op"] == "attention"
                  else f"T{r['T']} D{r['D']} F{r['F']} E{r['E']} X{r['X']}")
-        note = r.get("error") or (f"{r['GBps']} GB/s, rel err {r['rel_err_vs_first']}" if r["op"] == "attention"
-                                  else f"{r['useful_TFLOPs']} useful TFLOP/s")
+        note = r.get("error") or (f"{r['GBps']} GB/s, rel err vs fp32 {r['rel_err_vs_fp32']}"
+                                  + ("" if r["finite"] else " NON-FINITE") if r["op"] == "attention"
+                                  else f"{r['useful_TFLOPs']} useful TFLOP/s, weights {r['weight_GBps']} GB/s, "
+                                       f"rel err vs fp32 {r['rel_err_vs_fp32']}")
         print(f"| {r['op']} | {r['impl']} | {shape} | {r.get('ms', '-')} | {note} |")
 
 
