@@ -56,7 +56,7 @@ CASES = [
 
 @pytest.mark.parametrize("B,S,L,N,K,H,pad,block_size,bs,dtype,backend", [
     c + (jnp.float32, backend) for c in CASES for backend in ("tpu", "gpu")] + [
-    c + (jnp.bfloat16, "tpu") for c in CASES[1:3]])  # bf16: the kernel's casts; one body suffices
+    c + (jnp.bfloat16, backend) for c in CASES[1:3] for backend in ("tpu", "gpu")])  # bf16: each body's casts
 def test_kernel_matches_reference(B, S, L, N, K, H, pad, block_size, bs, dtype, backend):
     q, k, v, mask = _inputs(B * 100 + S, B, S, L, N, K, H, dtype, pad)
     q_pos, k_pos = _positions(S, B, S, L)
@@ -78,6 +78,30 @@ def test_gpu_body_pads_a_query_group_that_is_not_a_power_of_two():
                               poison_output=True)
         assert out.shape == q.shape
         assert _rel(out, attention_reference(q, k, v, mask, **kw)) <= TOL[jnp.float32], (N, K)
+
+
+def test_gpu_tiles_fit_shared_memory_and_triton_rules():
+    """The Triton body's tiles at every shape of the lowering matrix (tests/test_attention_lowering.py)
+    and the real models' window / refresh shapes: powers of two, R = G*bq in [16, 128], and the K/V
+    tiles in flight within GPU_SMEM_BUDGET (an H200 refused the earlier bkv = 512 tiles: 'Shared memory
+    size limit exceeded: requested 561152, available: 232448'; jax.export cannot see this, only the
+    Triton compile on a GPU does)."""
+    from pallas_kernels.attention import kernel as kmod
+    from tests.test_attention_lowering import HEADS, WINDOWS
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    shapes = [(S, L) for _, S, L in WINDOWS] + [(64, 512), (512, 512), (32, 4096), (2048, 2048)]
+    for N, K, H in HEADS:
+        G = 1 << (N // K - 1).bit_length()  # the padded group
+        for S, L in shapes:
+            for itemsize in (2, 4):
+                t = kmod.gpu_tiles(S, L, G, H, itemsize, kmod.BlockSizes())
+                assert all(pow2(t[k]) for k in ("bq", "bkv", "R")), t
+                assert 16 <= t["R"] <= kmod.GPU_MAX_ROWS and t["R"] == G * t["bq"], t
+                assert t["bkv"] >= 16 and t["L_pad"] % t["bkv"] == 0 and t["S_pad"] % t["bq"] == 0, t
+                assert t["smem_kv_bytes"] <= kmod.GPU_SMEM_BUDGET < 232448, t
+    # the shape the H200 refused now gets 64-key tiles (bf16, H 128): 2 stages x (K + V) x 64 x 128 x 2 B
+    t = kmod.gpu_tiles(64, 4096, 1, 128, 2, kmod.BlockSizes(64, 512))
+    assert (t["bq"], t["bkv"], t["smem_kv_bytes"]) == (64, 64, 65536)
 
 
 def test_fully_masked_rows_give_the_reference_uniform_average():

@@ -37,7 +37,7 @@ class Rows(list):
         super().append(row)
 
 
-def attention_rows(tiny: bool, repeats: int):
+def attention_rows(tiny: bool, repeats: int, all_shapes: bool = False):
     from pallas_kernels.attention import BlockSizes, attention
     on_accel = jax.default_backend() in ("gpu", "tpu")
     dtype = jnp.bfloat16
@@ -45,10 +45,13 @@ def attention_rows(tiny: bool, repeats: int):
     # (S = L = 512); LLaDA2-style GQA 16/4 with the block-causal mask (block 32); Qwen2.5-7B's 28/4
     # (Dream / Fast-dLLM v2: a query group of 7, padded to 8 by the GPU kernel) block-causal.
     shapes = ([(1, 8, 160, 4, 2, 16, 0), (1, 8, 160, 4, 2, 16, 4), (1, 8, 160, 7, 1, 16, 4)] if tiny else
+              [(1, 64, 4096, 16, 16, 128, 0), (8, 64, 4096, 16, 16, 128, 0), (8, 64, 32768, 16, 16, 128, 0),
+               (16, 32, 4096, 16, 4, 128, 32), (16, 32, 4096, 28, 4, 128, 32), (16, 512, 512, 16, 16, 128, 0)]
+              if not all_shapes else
               [(B, 64, L, 16, 16, 128, 0) for B in (1, 8) for L in (1024, 4096, 32768)]
-              + [(B, 512, 512, 16, 16, 128, 0) for B in (1, 16)]
               + [(B, 32, 4096, 16, 4, 128, 32) for B in (1, 16)]
-              + [(B, 32, 4096, 28, 4, 128, 32) for B in (1, 16)])
+              + [(B, 32, 4096, 28, 4, 128, 32) for B in (1, 16)]
+              + [(B, 512, 512, 16, 16, 128, 0) for B in (1, 16)])
     impls = ["xla", "pallas"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
     rows = Rows()
     for B, S, L, N, K, H, block_size in shapes:
@@ -70,7 +73,9 @@ def attention_rows(tiny: bool, repeats: int):
                 block_sizes=BlockSizes(64 if not tiny else 8, 512 if not tiny else 128),
                 interpret=None if on_accel else True))
             try:
-                out = f(q, k, v, mask)
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(f(q, k, v, mask))
+                first_s = time.perf_counter() - t0
                 ms = median_ms(f, q, k, v, mask, repeats=repeats)
             except Exception as e:  # a backend that cannot run here: record why, keep going
                 rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size,
@@ -81,7 +86,8 @@ def attention_rows(tiny: bool, repeats: int):
             finite = bool(jnp.all(jnp.isfinite(out32)))
             bytes_moved = 2 * (q.size + 2 * k.size + q.size)
             rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size, ms=round(ms, 4),
-                             GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_fp32=round(err, 5), finite=finite))
+                             GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_fp32=round(err, 5), finite=finite,
+                             compile_s=round(first_s, 2)))
     return rows
 
 
@@ -130,9 +136,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--all-shapes", action="store_true", help="attention at every B x L (default: 6 shapes)")
     a = ap.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
-    rows = attention_rows(a.tiny, a.repeats) + moe_rows(a.tiny, a.repeats)
+    rows = attention_rows(a.tiny, a.repeats, a.all_shapes) + moe_rows(a.tiny, a.repeats)
     print("\n| op | impl | shape | ms | note |\n|---|---|---|---|---|")
     for r in rows:
         shape = (f"B{r['B']} S{r['S']} L{r['L']} N{r['N']} K{r['K']} H{r['H']} blk{r['bs']}" if r["op"] == "attention"

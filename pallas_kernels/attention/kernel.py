@@ -23,10 +23,19 @@ TPU ("tpu", Mosaic): grid (B, K/P, S_pad/bq, L_pad/bkv), the last axis "arbitrar
 over kv tiles with fp32 running max / sum / accumulator in VMEM scratch), the others "parallel";
 VMEM holds O(bq*W + bkv*W) per step whatever L is (32k caches fit); the cache is not padded (a
 partial last kv tile is masked in-kernel), so a forward reads it once and copies none of it.
-GPU ("gpu", Triton): grid (B, K, S_pad/bq) (P = 1), each program streams the kv tiles of its head
-with a fori_loop over the full-length ref; Triton needs every in-kernel array power-of-2 sized, so
-bq, bkv are powers of two (>= 16 for tl.dot), and H and G must be too: a query group G that is
-not one (Qwen2.5-7B: 28/4 = 7) is padded with zero queries to the next power of two.
+GPU ("gpu", Triton): grid (B, K, S_pad/bq) (P = 1). The wrapper lays the queries out as
+(B, K, S_pad/bq, R, H) with R = G*bq rows per program (row g*bq + s: query head g of the group,
+window row s), so one program serves the whole query group of its kv head with ONE dot per kv tile
+(the kv tile is read once for all G heads) and streams the kv tiles with a fori_loop over the
+full-length ref. Dots take the input dtype (bf16 operands, fp32 accumulation; probabilities are
+cast to V's dtype for P@V, as flash attention does on GPUs); fp32 inputs use full-precision dots
+(no TF32). Triton needs every in-kernel array power-of-2 sized, so bq, bkv, R are powers of two
+(R >= 16 for tl.dot), and H and G must be too: a query group G that is not one (Qwen2.5-7B: 28/4 =
+7) is padded with zero queries to the next power of two. Shared memory: Triton keeps `num_stages`
+copies of the K and V tiles in flight; a Hopper SM offers 227 KiB per block (232448 bytes: measured,
+an H200 refused bkv=512, H=128, bf16 with "requested 561152, available 232448"), so bkv is capped
+by GPU_SMEM_BUDGET (see gpu_tiles) and R by 128 rows (registers: the fp32 (R, bkv) score tile and
+(R, H) accumulator).
 Interpret mode (interpret=True) runs either body on any platform; that is how CPU tests check it.
 """
 from __future__ import annotations
@@ -83,16 +92,34 @@ def heads_per_block(K: int, H: int, backend: str) -> int:
     return K
 
 
+GPU_SMEM_BUDGET = 96 * 1024  # bytes of K/V tiles in flight per program (of 227 KiB on Hopper, 163-227 on Ampere)
+GPU_NUM_STAGES = 2
+GPU_MAX_ROWS = 128  # R = G * bq query rows per program
+
+
 def tiles(S: int, L: int, block_sizes: BlockSizes, backend: str):
-    """(bq, bkv, S_pad, L_pad) for this backend (see module doc). On TPU a cache of L <= block_kv is
-    one whole-length tile (legal whatever L is), else block_kv tiles with a partial last one."""
+    """(bq, bkv, S_pad, L_pad) for the TPU body (see module doc): a cache of L <= block_kv is one
+    whole-length tile (legal whatever L is), else block_kv tiles with a partial last one."""
     if backend == "gpu":
-        bq = min(_pow2_floor(block_sizes.block_q), _pow2_ceil(max(S, 16)))
-        bkv = min(_pow2_floor(block_sizes.block_kv), _pow2_ceil(max(L, 16)))
-    else:
-        bq = min(block_sizes.block_q, _round_up(S, 16))
-        bkv = min(block_sizes.block_kv, L)
+        raise ValueError("tiles: the GPU body's tiles come from gpu_tiles")
+    bq = min(block_sizes.block_q, _round_up(S, 16))
+    bkv = min(block_sizes.block_kv, L)
     return bq, bkv, _round_up(S, bq), _round_up(L, bkv)
+
+
+def gpu_tiles(S: int, L: int, G: int, H: int, itemsize: int, block_sizes: BlockSizes) -> dict:
+    """The Triton body's tiling for a power-of-2 query group G: bq window rows per program (R = G*bq
+    <= GPU_MAX_ROWS, R >= 16), bkv keys per tile (power of 2, >= 16, and num_stages * (K + V tiles)
+    <= GPU_SMEM_BUDGET), the padded lengths, warps and stages."""
+    bq = min(_pow2_floor(block_sizes.block_q), _pow2_ceil(S), max(1, GPU_MAX_ROWS // G))
+    bq = max(bq, _pow2_ceil(-(-16 // G)))
+    per_key = GPU_NUM_STAGES * 2 * H * itemsize
+    bkv = min(_pow2_floor(block_sizes.block_kv), _pow2_ceil(max(L, 16)),
+              max(16, _pow2_floor(max(1, GPU_SMEM_BUDGET // per_key))))
+    R = G * bq
+    return dict(bq=bq, bkv=bkv, R=R, S_pad=_round_up(S, bq), L_pad=_round_up(L, bkv),
+                num_warps=8 if R >= 128 else 4, num_stages=GPU_NUM_STAGES,
+                smem_kv_bytes=GPU_NUM_STAGES * 2 * bkv * H * itemsize)
 
 
 def _tile_update(q, k, v, qblk, kblk, kvalid, m, l, acc, *, P: int, H: int):
@@ -171,25 +198,36 @@ def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H,
             o_ref[g] = _finish(acc_ref[g], l, P=P, H=H).astype(o_ref.dtype)
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, H, bkv, num_kv_blocks):
-    """Grid (b, k, i): q/o (G, bq, H), k/v the full (L_pad, H) of kv head k, streamed in bkv tiles."""
+def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, bkv, num_kv_blocks):
+    """Grid (b, k, i): q/o (R, H) = the G query heads x bq rows of kv head k; qblk (R, 1); k/v the
+    full (L_pad, H) of kv head k, streamed in bkv tiles; kinfo (2, L_pad)."""
     o_ref = refs[-1]
     qblk = qblk_ref[...]
-    for g in range(G):
-        q = q_ref[g].astype(jnp.float32) * scale
-        bq = q.shape[0]
+    kv_dtype = k_ref.dtype
+    prec = jax.lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None  # fp32: no TF32
+    q = (q_ref[...].astype(jnp.float32) * scale).astype(kv_dtype)
+    R, H = q.shape
 
-        def body(t, carry, q=q):
-            m, l, acc = carry
-            sl = pl.ds(pl.multiple_of(t * bkv, bkv), bkv)
-            (m,), (l,), acc = _tile_update(q, k_ref[sl, :], v_ref[sl, :], qblk, kinfo_ref[pl.ds(0, 1), sl],
-                                           kinfo_ref[pl.ds(1, 1), sl], (m,), (l,), acc, P=1, H=H)
-            return m, l, acc
+    def body(t, carry):
+        m, l, acc = carry
+        sl = pl.ds(pl.multiple_of(t * bkv, bkv), bkv)
+        kblk, kvalid = kinfo_ref[pl.ds(0, 1), sl], kinfo_ref[pl.ds(1, 1), sl]  # (1, bkv)
+        allowed = (kvalid == 1) & (kblk <= qblk)  # (R, bkv)
+        fill = jnp.where(kvalid < 0, _PAD, _NEG)
+        s = jax.lax.dot_general(q, k_ref[sl, :], (((1,), (1,)), ((), ())), precision=prec,
+                                preferred_element_type=jnp.float32)
+        s = jnp.where(allowed, s, fill)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        e = jnp.exp(s - m_new)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(e, axis=1, keepdims=True)
+        acc = alpha * acc + jnp.dot(e.astype(kv_dtype), v_ref[sl, :], precision=prec,
+                                    preferred_element_type=jnp.float32)
+        return m_new, l, acc
 
-        init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-                jnp.zeros((bq, H), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
-        o_ref[g] = (acc / l).astype(o_ref.dtype)
+    init = (jnp.full((R, 1), _NEG, jnp.float32), jnp.zeros((R, 1), jnp.float32), jnp.zeros((R, H), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
+    o_ref[...] = (acc / l).astype(o_ref.dtype)
 
 
 def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_pos_BS=None, k_pos_BL=None,
@@ -248,19 +286,18 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
                             k_pos_BL=k_pos_BL, block_size=block_size, scale=scale, block_sizes=block_sizes,
                             backend=backend, interpret=interpret, poison_output=poison_output)
         return o.reshape(B, S, K, Gp, H)[:, :, :, :G].reshape(B, S, N, H)
+    scale = H ** -0.5 if scale is None else scale
+    if backend == "gpu":
+        return _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL, block_size, scale,
+                                    block_sizes, interpret, poison_output)
     P = heads_per_block(K, H, backend)
     W = P * H
     bq, bkv, S_pad, L_pad = tiles(S, L, block_sizes, backend)
-    scale = H ** -0.5 if scale is None else scale
 
     # Queries (small): (B,S,N,H) -> (B, K/P, G, S_pad, W); n = (j*P + p)*G + g.
     q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
     q = q.reshape(B, S_pad, K // P, P, G, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, K // P, G, S_pad, W)
-    # The cache (large): a free reshape on TPU (the partial last tile is masked in-kernel); the Triton
-    # path pads it to a multiple of its power-of-2 kv tile (a copy when L is not one).
-    if backend == "gpu":
-        k_BLKH = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
-        v_BLKH = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0)))
+    # The cache (large): a free reshape (the partial last tile is masked in-kernel).
     k = k_BLKH.reshape(B, k_BLKH.shape[1], K * H)
     v = v_BLKH.reshape(B, v_BLKH.shape[1], K * H)
     valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
@@ -275,27 +312,16 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
 
     out_shape = jax.ShapeDtypeStruct((B, K // P, G, S_pad, W), q_BSNH.dtype)
     args = [q, k, v, qblk, kinfo]
-    if backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-        grid = (B, K // P, S_pad // bq, L_pad // bkv)
-        q_spec = pl.BlockSpec((None, None, G, bq, W), lambda b, j, i, t: (b, j, 0, i, 0))
-        kv_spec = pl.BlockSpec((None, bkv, W), lambda b, j, i, t: (b, t, j))
-        in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, bq, 1), lambda b, j, i, t: (b, i, 0)),
-                    pl.BlockSpec((None, 2, bkv), lambda b, j, i, t: (b, 0, t))]
-        kernel = functools.partial(_tpu_kernel, scale=scale, G=G, P=P, H=H, L=L)
-        scratch = [pltpu.VMEM((G * P, bq, 1), jnp.float32), pltpu.VMEM((G * P, bq, 1), jnp.float32),
-                   pltpu.VMEM((G, bq, W), jnp.float32)]
-        params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-    else:
-        from jax.experimental.pallas import triton as pltriton
-        grid = (B, K, S_pad // bq)
-        q_spec = pl.BlockSpec((None, None, G, bq, H), lambda b, j, i: (b, j, 0, i, 0))
-        kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i: (b, 0, j))
-        in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, bq, 1), lambda b, j, i: (b, i, 0)),
-                    pl.BlockSpec((None, 2, L_pad), lambda b, j, i: (b, 0, 0))]
-        kernel = functools.partial(_gpu_kernel, scale=scale, G=G, H=H, bkv=bkv, num_kv_blocks=L_pad // bkv)
-        scratch = []
-        params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    from jax.experimental.pallas import tpu as pltpu
+    grid = (B, K // P, S_pad // bq, L_pad // bkv)
+    q_spec = pl.BlockSpec((None, None, G, bq, W), lambda b, j, i, t: (b, j, 0, i, 0))
+    kv_spec = pl.BlockSpec((None, bkv, W), lambda b, j, i, t: (b, t, j))
+    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, bq, 1), lambda b, j, i, t: (b, i, 0)),
+                pl.BlockSpec((None, 2, bkv), lambda b, j, i, t: (b, 0, t))]
+    kernel = functools.partial(_tpu_kernel, scale=scale, G=G, P=P, H=H, L=L)
+    scratch = [pltpu.VMEM((G * P, bq, 1), jnp.float32), pltpu.VMEM((G * P, bq, 1), jnp.float32),
+               pltpu.VMEM((G, bq, W), jnp.float32)]
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
     aliases = {}
     if poison_output:
         in_specs.append(q_spec)
@@ -311,4 +337,57 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
         name="dlm_flash_attention",
     )(*args)
     out = out.reshape(B, K // P, G, S_pad, P, H).transpose(0, 3, 1, 4, 2, 5).reshape(B, S_pad, N, H)
+    return out[:, :S]
+
+
+def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL, block_size, scale, block_sizes,
+                         interpret, poison_output):
+    """The Triton body (module doc): queries as (B, K, S_pad/bq, R = G*bq, H), one program per
+    (b, kv head, query tile); the cache padded to a multiple of the power-of-2 kv tile (a copy when L
+    is not one)."""
+    B, S, N, H = q_BSNH.shape
+    L, K = k_BLKH.shape[1], k_BLKH.shape[2]
+    G = N // K
+    t = gpu_tiles(S, L, G, H, jnp.dtype(k_BLKH.dtype).itemsize, block_sizes)
+    bq, bkv, R, S_pad, L_pad = t["bq"], t["bkv"], t["R"], t["S_pad"], t["L_pad"]
+    nq = S_pad // bq
+    # (B,S,N,H) -> (B, K, nq, G*bq, H): row g*bq + s of tile i is window row i*bq + s of head k*G + g.
+    q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
+    q = q.reshape(B, nq, bq, K, G, H).transpose(0, 3, 1, 4, 2, 5).reshape(B, K, nq, R, H)
+    k = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0))).reshape(B, L_pad, K * H)
+    v = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0))).reshape(B, L_pad, K * H)
+    valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
+    valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
+    if block_size:
+        qblk = (q_pos_BS.astype(jnp.int32) // block_size)
+        kblk = (k_pos_BL.astype(jnp.int32) // block_size)
+    else:
+        qblk, kblk = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, L), jnp.int32)
+    qblk = jnp.pad(qblk, ((0, 0), (0, S_pad - S))).reshape(B, nq, 1, bq)
+    qblk = jnp.broadcast_to(qblk, (B, nq, G, bq)).reshape(B, nq, R, 1)  # the same rows as q's tiles
+    kinfo = jnp.stack([jnp.pad(kblk, ((0, 0), (0, L_pad - L))), valid], axis=1)  # (B, 2, L_pad)
+
+    from jax.experimental.pallas import triton as pltriton
+    out_shape = jax.ShapeDtypeStruct((B, K, nq, R, H), q_BSNH.dtype)
+    q_spec = pl.BlockSpec((None, None, None, R, H), lambda b, j, i: (b, j, i, 0, 0))
+    kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i: (b, 0, j))
+    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, None, R, 1), lambda b, j, i: (b, i, 0, 0)),
+                pl.BlockSpec((None, 2, L_pad), lambda b, j, i: (b, 0, 0))]
+    args = [q, k, v, qblk, kinfo]
+    aliases = {}
+    if poison_output:
+        in_specs.append(q_spec)
+        args.append(jnp.full(out_shape.shape, jnp.nan, q_BSNH.dtype))
+        aliases = {len(args) - 1: 0}
+    out = pl.pallas_call(
+        functools.partial(_gpu_kernel, scale=scale, bkv=bkv, num_kv_blocks=L_pad // bkv),
+        grid_spec=pl.GridSpec(grid=(B, K, nq), in_specs=in_specs, out_specs=q_spec),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=t["num_warps"],
+                                                                       num_stages=t["num_stages"]),
+        interpret=interpret,
+        name="dlm_flash_attention",
+    )(*args)
+    out = out.reshape(B, K, nq, G, bq, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, S_pad, N, H)
     return out[:, :S]
