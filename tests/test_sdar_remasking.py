@@ -35,6 +35,17 @@ def model():
     return Model(cfg.replace(tie_word_embeddings=False), {**params, "lm_head": {"kernel": head}})
 
 
+_FWD = {}
+
+
+def _plain_forward(model):
+    """The model's plain block-causal forward (no cache), jitted once per model (each canvas length
+    then compiles once for all cases)."""
+    if id(model) not in _FWD:
+        _FWD[id(model)] = (model, jax.jit(lambda params, ids: model.module.apply({"params": params}, ids)[0]))
+    return _FWD[id(model)][1]
+
+
 def reference_remask_generate(model, prompt, B: int, G: int, steps: int, strategy: str, eb: float = 0.35):
     """SDAR's block_diffusion_generate() with remasking_strategy `sequential` / `entropy_bounded`
     at temperature 0, from the facts in families/sdar.py (DECODING): one prompt; canvas = prompt +
@@ -49,7 +60,7 @@ def reference_remask_generate(model, prompt, B: int, G: int, steps: int, strateg
     mask while more were masked)."""
     cfg = model.config
     M, stops = cfg.mask_token_id, cfg.stop_ids
-    fwd = jax.jit(lambda params, ids: model.module.apply({"params": params}, ids)[0])
+    fwd = _plain_forward(model)
     P = len(prompt)
     nb = -(-(P + G) // B)
     x = list(prompt) + [M] * (nb * B - P)

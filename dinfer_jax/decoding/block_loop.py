@@ -44,6 +44,11 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   M2T: the masked positions with p > threshold if at least n of them, else the top-min(n, #masked)
   by p, where n = num_to_transfer (LLaDA2.1), or with `steps` per block (LLaDA2.0's schedule,
   spec.steps_per_block > 0) n = B // steps, plus one on the first B % steps steps of the block;
+  or, by spec.strategy (SDAR's remasking strategies, families/sdar.py REMASKING; no editing):
+    sequential: the leftmost min(n, #masked) masked positions;
+    entropy_bounded: the masked positions by increasing entropy H (of the distribution p is read
+    from; ties: lower position), k = #{running sums of the sorted H < eb_threshold}, then
+    min(max(k, n), #masked);
   T2T (editing, LLaDA2.1): already-filled generated positions of this block (not masked at the
   step's start, not prompt) take v_i where p_i > editing_threshold and v_i differs; applied with
   M2T from the same forward.

@@ -17,6 +17,7 @@ Definitions (shared/reference/decoding.md):
 - hierarchy: maximal runs of masked positions; each run's most confident eligible position if
   c > low; OR every eligible c > tau; OR the row's most confident eligible position.
 - dream (Dream-7B's diffusion_generate, reference llada2_and_dream.md §13.5): see `dream_decide`.
+- sequential, entropy_bounded (SDAR's remasking; cache="block" only): decoding/block_loop.py.
 Progress guarantee (ours): if every masked position's argmax is the mask token (nothing eligible),
 threshold-family strategies unmask the most confident masked position with its best non-mask token.
 Ties are broken towards the lower position (stable sort).
