@@ -24,14 +24,18 @@ G = 16
 
 @pytest.fixture(scope="module")
 def model():
-    """tiny-sdar (block 4) with random weights and an untied LM head = 20 x the embedding, so the
-    distributions range from near one-hot to ~1 nat (a bound then commits 1, 2 or more masks); the
-    mask id's column is 0 (logit 0): this model never predicts <MASK>, as trained SDAR models."""
+    """tiny-sdar (block 4) with random weights, its attention and MLP projections x 20 (so the
+    context, not only the position's own token, decides the prediction: the decoding order matters)
+    and an untied LM head = 40 x the embedding (entropies from ~0 to ~1.5 nats: a bound then commits
+    1, 2 or more masks); the mask id's column is 0 (logit 0): this model never predicts <MASK>, as
+    trained SDAR models."""
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
     cfg = preset("tiny-sdar")
     params = dict(init_params(cfg, seed=3))
-    head = (params["embed"]["embedding"].T * 20.0).at[:, cfg.mask_token_id].set(0.0)
+    params["layers"] = jax.tree_util.tree_map_with_path(
+        lambda path, w: w * 20.0 if str(path[-1].key).endswith("_proj") else w, params["layers"])
+    head = (params["embed"]["embedding"].T * 40.0).at[:, cfg.mask_token_id].set(0.0)
     return Model(cfg.replace(tie_word_embeddings=False), {**params, "lm_head": {"kernel": head}})
 
 
@@ -101,7 +105,7 @@ def reference_remask_generate(model, prompt, B: int, G: int, steps: int, strateg
     return gen[:cut], nfe, commits, bound_binds
 
 
-CASES = [("sequential", 4, None), ("sequential", 2, None), ("entropy_bounded", 4, 1.5)]
+CASES = [("sequential", 4, None), ("sequential", 2, None), ("entropy_bounded", 4, 1.0)]
 
 
 @pytest.mark.parametrize("strategy,steps,eb", CASES, ids=["sequential", "sequential-2-per-step", "entropy_bounded"])
@@ -120,6 +124,9 @@ def test_remasking_matches_host_loop_reference(model, strategy, steps, eb):
     if strategy == "entropy_bounded":
         assert commits_total > nfe_total, "the bound never let more than one mask through: raise eb"
         assert binds, "the bound never held a step to one mask: lower eb"
+        # The bound matters: a tiny one (one mask per step, the lowest entropy first) decodes otherwise.
+        one = generate(model, PROMPTS, dataclasses.replace(p, eb_threshold=1e-3))
+        assert one.token_ids != r.token_ids and sum(one.nfe) > sum(r.nfe)
     # The same prompts under SDAR's default rule (low_confidence_dynamic at 0.85, 4 steps) decode
     # differently (tokens or forwards), so this test can tell the strategies apart.
     dyn = generate(model, PROMPTS, SamplingParams(gen_length=G, block_length=cfg.block_size, cache="block", steps=4,
@@ -134,7 +141,7 @@ def test_entropy_bounded_evaluation_sampler_is_greedy(model):
     (before the top-k filter), so this decodes exactly as temperature 0."""
     cfg = model.config
     p = SamplingParams(gen_length=G, block_length=cfg.block_size, cache="block", strategy="entropy_bounded", steps=4,
-                       eb_threshold=1.5)
+                       eb_threshold=1.0)
     r0 = generate(model, PROMPTS, p)
     r1 = generate(model, PROMPTS, dataclasses.replace(p, temperature=1.0, top_k=1, confidence_before_filter=True))
     assert (r1.token_ids, r1.nfe) == (r0.token_ids, r0.nfe)
@@ -253,3 +260,26 @@ def test_cli_flag_and_server_field():
     with pytest.raises(InvalidParam, match="eb_threshold") as e:  # the server answers 400 naming the field
         derive_params(SamplingParams(block_length=4), {**upd, "eb_threshold": 0.0}, 8)
     assert e.value.field == "eb_threshold"
+
+
+def test_server_request_decodes_as_generate(model):
+    """/v1/completions with strategy "entropy_bounded" and eb_threshold (body fields) through the
+    default (continuous) scheduler gives generate()'s tokens; a bad bound answers 400 naming it."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dinfer_jax.server import ServerConfig, create_app
+    p = SamplingParams(gen_length=G, block_length=4, cache="block", strategy="entropy_bounded", steps=4,
+                       eb_threshold=1.0)
+    want = generate(model, [PROMPTS[0]], p)
+    body = dict(prompt=PROMPTS[0], max_tokens=G, block_length=4, cache="block", steps=4, strategy="entropy_bounded",
+                eb_threshold=1.0)
+    app = create_app(model, None, ServerConfig(model_name="tiny-sdar", max_tokens=64, max_batch=4, batch_wait_s=0.0))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want.token_ids[0]
+        r = c.post("/v1/completions", json={**body, "eb_threshold": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "eb_threshold", r.text
+        r = c.post("/v1/completions", json={**body, "cache": "dual"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "strategy", r.text
