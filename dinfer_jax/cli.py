@@ -176,7 +176,7 @@ def _block_flags(a) -> dict:
     from dinfer_jax.engine import EDIT_MODES
     out = dict(EDIT_MODES[a.edit_mode]) if a.edit_mode else {}
     for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p",
-                 "sub_block_length"):
+                 "sub_block_length", "eb_threshold"):
         if getattr(a, name) is not None:
             out[name] = getattr(a, name)
     for name in ("indel", "confidence_before_filter"):
@@ -459,7 +459,7 @@ def _int_list(text):
     return vals
 
 
-STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream")
+STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream", "sequential", "entropy_bounded")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 CACHES = ("none", "prefix", "dual", "vicinity", "block")
 
@@ -472,7 +472,8 @@ def _add_decoding_flags(p, with_lengths: bool = True):
         p.add_argument("--block-length", type=_positive, default=None,
                        help="block size (default: the model folder's generation_config.json, else 64; at most gen-length)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="which masked tokens to decode each step (default threshold; a Dream model: dream)")
+                   help="which masked tokens to decode each step (default threshold; a Dream model: dream; "
+                        "sequential / entropy_bounded: SDAR's, with --cache block)")
     p.add_argument("--threshold", type=float, default=None,
                    help="threshold strategies: confidence tau (default 0.9, or the --edit-mode preset's)")
     p.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
@@ -507,6 +508,9 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     b.add_argument("--indel", action="store_true",
                    help="LLaDA2.2 insert/delete editing (SGLang JointThresholdInDel; greedy; SGLang's defaults: "
                         "--edit-mode speed)")
+    b.add_argument("--eb-threshold", type=float, default=None,
+                   help="--strategy entropy_bounded: commit masks by increasing entropy while their summed "
+                        "entropy (nats) stays below this (SDAR's eb_threshold; default 0.35)")
     b.add_argument("--confidence-before-filter", action="store_true",
                    help="with --temperature > 0: a token's confidence is its probability under the tempered "
                         "softmax before --top-k/--top-p (SDAR's evaluation sampler); default: after")

@@ -15,7 +15,7 @@ import numpy as np
 
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import CACHES, KNOBS, ROW_KNOBS, DecodeSpec, generate_loop
-from dinfer_jax.decoding.strategies import DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
+from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
 
@@ -60,7 +60,9 @@ _RULES = {
     "alg_temp": (_FLOAT, 0.0, True, None, False),
     "eps": (_FLOAT, 0.0, True, 1.0, False),
     "sub_block_length": (_INT, 0, True, None, False),
+    "eb_threshold": (_FLOAT, 0.0, False, None, False),
 }
+EB_THRESHOLD = 0.35  # SDAR generate.py's --eb_threshold default
 
 
 def _range_text(lo, lo_in, hi, hi_in) -> str:
@@ -110,7 +112,8 @@ class SamplingParams:
     """
     gen_length: int = 128
     block_length: int = 64
-    strategy: str = "threshold"  # fixed | random | threshold | factor | credit | hierarchy
+    strategy: str = "threshold"  # fixed | random | threshold | factor | credit | hierarchy | dream
+    # | sequential | entropy_bounded (the last two: cache="block" only, SDAR's remasking strategies)
     steps: int | None = None
     cache: str = "dual"  # none | prefix | dual | vicinity
     refresh_every: int = 0
@@ -162,6 +165,12 @@ class SamplingParams:
     # rule (at least num_to_transfer per step); with a shifted-logits model a masked first position
     # of the block is first committed alone (decoding/block_loop.py). 0: off (the whole block at once).
     sub_block_length: int = 0
+    # SDAR's remasking strategies on the block loop (cache="block"; families/sdar.py, DECODING):
+    # strategy "sequential" commits the leftmost n masks per step; "entropy_bounded" commits the
+    # masks in order of increasing entropy (of the distribution the confidence is read from) while
+    # the running sum of their entropies stays < eb_threshold (nats), at least n (n = the steps
+    # schedule's count, else num_to_transfer; SDAR: 1) and at most every mask. `threshold` is unused.
+    eb_threshold: float = EB_THRESHOLD
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -193,10 +202,20 @@ class SamplingParams:
         if self.smoothing and self.cache == "prefix":
             raise InvalidParam("smoothing", "iteration smoothing with the prefix cache is not supported "
                                             "(use none, dual or vicinity)")
+        if self.eb_threshold != EB_THRESHOLD and self.strategy != "entropy_bounded":
+            raise InvalidParam("eb_threshold", f"eb_threshold={self.eb_threshold} applies to strategy "
+                                               f"'entropy_bounded' only, not strategy {self.strategy!r}")
         if self.cache == "block":
-            if self.strategy != "threshold":
+            if self.strategy not in BLOCK_STRATEGIES:
                 raise InvalidParam("strategy", f"cache='block' (block diffusion) decodes with strategy 'threshold' "
-                                               f"(LLaDA2's rule), not {self.strategy!r}")
+                                               f"(LLaDA2's rule), 'sequential' or 'entropy_bounded' (SDAR's), not "
+                                               f"{self.strategy!r}")
+            if self.strategy in BLOCK_ONLY:
+                for name, off in (("editing_threshold", None), ("indel", False), ("sub_block_length", 0)):
+                    if getattr(self, name) != off:
+                        raise InvalidParam(name, f"{name}={getattr(self, name)!r} does not combine with strategy "
+                                                 f"{self.strategy!r} (SDAR's remasking has no token editing or "
+                                                 f"sub-blocks)")
             for name in ("smoothing", "start_block_align", "refresh_every"):
                 if getattr(self, name):
                     raise InvalidParam(name, f"cache='block' takes no {name}")
@@ -219,6 +238,9 @@ class SamplingParams:
                                                   f"(SGLang's JointThresholdInDel): temperature must be 0, "
                                                   f"not {self.temperature}")
         else:
+            if self.strategy in BLOCK_ONLY:
+                raise InvalidParam("strategy", f"strategy {self.strategy!r} (SDAR's remasking) applies to block "
+                                               f"diffusion only (cache='block'), not cache={self.cache!r}")
             if self.sub_block_length:
                 raise InvalidParam("sub_block_length", f"sub_block_length={self.sub_block_length} applies to block "
                                                        f"diffusion only (cache='block'), not cache={self.cache!r}")

@@ -10,7 +10,8 @@ Streaming requests select the program variant with a per-iteration host callback
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length (OpenAI clients pass them
+max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length, and strategy
+"sequential" / "entropy_bounded" (SDAR's remasking) with eb_threshold (OpenAI clients pass them
 with `extra_body=`); top_p is OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 
@@ -49,7 +50,8 @@ try:  # module level: FastAPI resolves the handlers' (string) annotations in thi
 except ImportError:  # serve needs the [serve] extra; create_app says so
     Request = None
 
-STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream"]
+STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream", "sequential",
+                   "entropy_bounded"]
 CACHE = Literal["none", "prefix", "dual", "vicinity", "block"]
 
 
@@ -93,6 +95,7 @@ class DinferFields(BaseModel):
     indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
     confidence_before_filter: Optional[bool] = None  # SDAR's evaluation sampler: p before top-k/top-p
     sub_block_length: Optional[int] = None  # Fast-dLLM v2's small_block_size (0: off)
+    eb_threshold: Optional[float] = None  # strategy "entropy_bounded" (SDAR's): the summed-entropy bound
     # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = None

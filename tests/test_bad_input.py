@@ -110,6 +110,12 @@ SETTINGS = [
     ("prefix_look", dict(prefix_look=-1), None, None, "prefix_look=-1"),
     ("min_tokens", dict(min_tokens=-1), ["--min-tokens", "-1"], dict(min_tokens=-1), "min_tokens=-1 must be >= 0"),
     ("ignore_eos", dict(ignore_eos="yes"), None, None, "ignore_eos='yes' must be true or false"),
+    ("eb_threshold", dict(strategy="entropy_bounded", cache="block", eb_threshold=0.0),
+     ["--strategy", "entropy_bounded", "--cache", "block", "--eb-threshold", "0"],
+     dict(strategy="entropy_bounded", cache="block", eb_threshold=0), "eb_threshold=0.0 must be > 0"),
+    ("eb_threshold", dict(strategy="entropy_bounded", cache="block", eb_threshold=NAN),
+     ["--strategy", "entropy_bounded", "--cache", "block", "--eb-threshold", "nan"],
+     dict(strategy="entropy_bounded", cache="block", eb_threshold=NAN), "eb_threshold=nan must be > 0"),
 ]
 # Rules between fields, checked when a program is chosen (spec): library via generate().
 CROSS = [
@@ -122,6 +128,10 @@ CROSS = [
      dict(smoothing=True, cache="prefix"), "iteration smoothing with the prefix cache is not supported"),
     ("min_tokens", dict(gen_length=16, block_length=16, min_tokens=17), ["--gen-length", "16", "--min-tokens", "17"],
      dict(min_tokens=17), "min_tokens=17 exceeds gen_length=16"),
+    ("strategy", dict(strategy="sequential", cache="dual"), ["--strategy", "sequential", "--cache", "dual"],
+     dict(strategy="sequential", cache="dual"), "strategy 'sequential' (SDAR's remasking) applies to block diffusion"),
+    ("eb_threshold", dict(eb_threshold=0.5), ["--eb-threshold", "0.5"], dict(eb_threshold=0.5),
+     "eb_threshold=0.5 applies to strategy 'entropy_bounded' only"),
 ]
 IDS = [f"{c[0]}-{i}" for i, c in enumerate(SETTINGS + CROSS)]
 

@@ -44,6 +44,11 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   M2T: the masked positions with p > threshold if at least n of them, else the top-min(n, #masked)
   by p, where n = num_to_transfer (LLaDA2.1), or with `steps` per block (LLaDA2.0's schedule,
   spec.steps_per_block > 0) n = B // steps, plus one on the first B % steps steps of the block;
+  or, by spec.strategy (SDAR's remasking strategies, families/sdar.py REMASKING; no editing):
+    sequential: the leftmost min(n, #masked) masked positions;
+    entropy_bounded: the masked positions by increasing entropy H (of the distribution p is read
+    from; ties: lower position), k = #{running sums of the sorted H < eb_threshold}, then
+    min(max(k, n), #masked);
   T2T (editing, LLaDA2.1): already-filled generated positions of this block (not masked at the
   step's start, not prompt) take v_i where p_i > editing_threshold and v_i differs; applied with
   M2T from the same forward.
@@ -99,14 +104,15 @@ from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding.strategies import forbid_eos, rank_desc
 
 
-def sample_tokens(logits_BSV, knobs, keys_B):
+def sample_tokens(logits_BSV, knobs, keys_B, with_entropy: bool = False):
     """-> (v_BS int32, p_BS fp32): LLaDA2's sampler. Rows with temperature 0 take the argmax and
     its softmax probability; others divide by T, keep the top_k (0: all) and the smallest set of
     most probable tokens whose cumulative probability exceeds top_p (the first always kept), and
     draw one token (Gumbel-max); p is its probability under the filtered softmax, or, for rows with
     knob confidence_before_filter > 0 (SDAR's evaluation sampler), under the temperature-scaled
     softmax before top-k / top-p (so temperature 1 with top_k 1 is greedy decoding with the plain
-    softmax confidence)."""
+    softmax confidence). with_entropy: also the Shannon entropy (nats, fp32) of that same
+    distribution (the one p is read from) at every position -> (v, p, h_BS)."""
     l = logits_BSV.astype(jnp.float32)
     T = knobs["temperature"][:, None, None]
     greedy = T <= 0
@@ -132,9 +138,45 @@ def sample_tokens(logits_BSV, knobs, keys_B):
     v = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     prob = lambda a: jnp.exp(jnp.take_along_axis(a, v[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(a, axis=-1))
     p = prob(lt)
+    before = None
     if knobs.get("confidence_before_filter") is not None:
-        p = jnp.where((knobs["confidence_before_filter"] > 0)[:, None], prob(raw), p)
-    return v, p
+        before = (knobs["confidence_before_filter"] > 0)[:, None]
+        p = jnp.where(before, prob(raw), p)
+    if not with_entropy:
+        return v, p
+    h = entropy(lt)
+    if before is not None:
+        h = jnp.where(before, entropy(raw), h)
+    return v, p, h
+
+
+def entropy(logits_BSV):
+    """-sum q log q of q = softmax(logits) over the vocabulary, fp32; -inf logits (filtered out by
+    top-k / top-p) contribute exactly 0."""
+    logq = jax.nn.log_softmax(logits_BSV, axis=-1)
+    return -jnp.sum(jnp.where(jnp.isfinite(logits_BSV), jnp.exp(logq) * logq, 0.0), axis=-1)
+
+
+def rank_asc(score_BS):
+    """0-based rank of each position by ascending score (ties: lower position first)."""
+    order = jnp.argsort(score_BS, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
+
+
+def sequential_transfer(masked_BS, n_B):
+    """SDAR `sequential`: the leftmost min(n, #masked) masked positions."""
+    return masked_BS & (jnp.cumsum(masked_BS, axis=-1) <= n_B[:, None])
+
+
+def entropy_bounded_transfer(h_BS, masked_BS, bound_B, n_B):
+    """SDAR `entropy_bounded`: the masked positions by increasing entropy h (ties: lower position
+    first), as many k as have a running sum of the sorted entropies strictly below the bound, then
+    k = min(max(k, n), #masked) (n = 1: SDAR's at-least-one rule)."""
+    h = jnp.where(masked_BS, h_BS, jnp.inf)
+    cum = jnp.cumsum(jnp.sort(h, axis=-1), axis=-1)
+    k = jnp.sum(cum < bound_B[:, None], axis=-1).astype(jnp.int32)
+    k = jnp.minimum(jnp.maximum(k, n_B), jnp.sum(masked_BS, axis=-1))
+    return masked_BS & (rank_asc(h) < k[:, None])
 
 
 def transfer_schedule(step_B, block: int, steps: int):
@@ -159,18 +201,28 @@ def sub_block_candidates(masked_BS, sub: int, shift: int):
 
 
 def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool, n_B=None,
-                 cand_BS=None):
-    """One LLaDA2 decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
+                 cand_BS=None, strategy: str = "threshold"):
+    """One decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
     editable_BS: generated (non-prompt) positions of the block; n_B: the M2T count (default
-    knobs["num_to_transfer"]); cand_BS: the masked positions M2T may pick (default: every mask)."""
-    v, p = sample_tokens(logits_BSV, knobs, keys_B)
+    knobs["num_to_transfer"]); cand_BS: the masked positions M2T may pick (default: every mask);
+    strategy (static): the M2T rule, "threshold" (LLaDA2's), "sequential" or "entropy_bounded"
+    (SDAR's; knob eb_threshold is the entropy bound)."""
+    eb = strategy == "entropy_bounded"
+    v, p, *h = sample_tokens(logits_BSV, knobs, keys_B, with_entropy=eb)
     masked = x_BS == mask_id if cand_BS is None else cand_BS
-    c = jnp.where(masked, p, -jnp.inf)
-    high = masked & (c > knobs["threshold"][:, None])
     n = knobs["num_to_transfer"].astype(jnp.int32) if n_B is None else n_B
-    enough = jnp.sum(high, axis=-1) >= n
-    top = masked & (rank_desc(c) < jnp.minimum(n, jnp.sum(masked, axis=-1))[:, None])
-    m2t = jnp.where(enough[:, None], high, top)
+    if strategy == "sequential":
+        m2t = sequential_transfer(masked, n)
+    elif eb:
+        m2t = entropy_bounded_transfer(h[0], masked, knobs["eb_threshold"], n)
+    elif strategy == "threshold":
+        c = jnp.where(masked, p, -jnp.inf)
+        high = masked & (c > knobs["threshold"][:, None])
+        enough = jnp.sum(high, axis=-1) >= n
+        top = masked & (rank_desc(c) < jnp.minimum(n, jnp.sum(masked, axis=-1))[:, None])
+        m2t = jnp.where(enough[:, None], high, top)
+    else:
+        raise ValueError(f"unknown block-diffusion strategy {strategy!r}")
     t2t = jnp.zeros_like(m2t)
     if editing:
         t2t = editable_BS & ~masked & (p > knobs["editing_threshold"][:, None]) & (v != x_BS)
@@ -381,7 +433,8 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                     logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
             else:
                 cand = sub_block_candidates(masked0 & in_gen, sb, sh) if sb else None
-                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B, cand)
+                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B, cand,
+                                               spec.strategy)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
             x = window_write(x, new_blk, start_B)

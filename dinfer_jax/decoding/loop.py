@@ -100,9 +100,11 @@ class DecodeSpec:
         if min(self.prefix_look, self.after_look, self.warmup_steps, self.refresh_every) < 0:
             problems.append("prefix_look, after_look, warmup_steps and refresh_every must be >= 0")
         if self.cache == "block":
-            if self.strategy != "threshold":
+            if self.strategy not in st.BLOCK_STRATEGIES:
                 problems.append(f"cache='block' (block diffusion) decodes with strategy 'threshold' (LLaDA2's rule), "
-                                f"not {self.strategy!r}")
+                                f"'sequential' or 'entropy_bounded' (SDAR's), not {self.strategy!r}")
+            elif self.strategy in st.BLOCK_ONLY and (self.editing or self.sub_block_length):
+                problems.append(f"strategy {self.strategy!r} does not combine with editing or sub_block_length")
             if self.smoothing or self.start_block_align or self.refresh_every:
                 problems.append("cache='block' takes no smoothing, start_block_align or refresh_every")
             if self.max_post_steps < 0:
@@ -112,6 +114,8 @@ class DecodeSpec:
                                 f"block_length={self.block_length}")
             elif self.sub_block_length and (self.editing or self.steps_per_block):
                 problems.append("sub_block_length does not combine with editing or steps_per_block")
+        elif self.strategy in st.BLOCK_ONLY:
+            problems.append(f"strategy {self.strategy!r} needs cache='block' (block diffusion)")
         elif self.sub_block_length:
             problems.append(f"sub_block_length={self.sub_block_length} needs cache='block' (block diffusion)")
         elif self.editing or self.indel:
@@ -149,7 +153,7 @@ class DecodeSpec:
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
          "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens",
-         "alg_temp", "eps", "confidence_before_filter")
+         "alg_temp", "eps", "confidence_before_filter", "eb_threshold")
 # Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
 # a multiple of the block; continuous batches mix lengths in one program, generate() does not).
 ROW_KNOBS = KNOBS + ("gen_length",)

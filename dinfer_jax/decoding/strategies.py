@@ -17,6 +17,7 @@ Definitions (shared/reference/decoding.md):
 - hierarchy: maximal runs of masked positions; each run's most confident eligible position if
   c > low; OR every eligible c > tau; OR the row's most confident eligible position.
 - dream (Dream-7B's diffusion_generate, reference llada2_and_dream.md §13.5): see `dream_decide`.
+- sequential, entropy_bounded (SDAR's remasking; cache="block" only): decoding/block_loop.py.
 Progress guarantee (ours): if every masked position's argmax is the mask token (nothing eligible),
 threshold-family strategies unmask the most confident masked position with its best non-mask token.
 Ties are broken towards the lower position (stable sort).
@@ -30,7 +31,11 @@ NEG_INF = -jnp.inf
 FIXED = ("fixed", "random")
 THRESHOLD_FAMILY = ("threshold", "factor", "credit", "hierarchy")
 DREAM = "dream"  # Dream-7B's diffusion_generate sampler; its rule is DecodeSpec.alg (DREAM_ALGS)
-STRATEGIES = FIXED + THRESHOLD_FAMILY + (DREAM,)
+# Block diffusion only (cache="block"; decoding/block_loop.py, SDAR's remasking strategies): the
+# leftmost n masks per step, or masks by increasing entropy under a cumulative-entropy bound.
+BLOCK_ONLY = ("sequential", "entropy_bounded")
+BLOCK_STRATEGIES = ("threshold",) + BLOCK_ONLY  # what cache="block" decodes with
+STRATEGIES = FIXED + THRESHOLD_FAMILY + (DREAM,) + BLOCK_ONLY
 SCHEDULED = FIXED + (DREAM,)  # strategies with a fixed number of steps per block (steps_per_block)
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 

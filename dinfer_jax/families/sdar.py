@@ -66,7 +66,55 @@ Known differences (documented, not reproduced):
   - forwards: SDAR stores a finished block's K/V with one extra forward on the clean block; our loop
     computes them inside the next block's first forward ([previous | current] window), so a block
     costs one forward less and NFE counts the decoder steps only.
-  - `sequential` and `entropy_bounded` remasking strategies are not built.
+
+REMASKING `sequential` / `entropy_bounded` [C2: generate.py @ c2041a8, block_diffusion_generate();
+entropy_bounded was added by commit 1c06c39 (2025-09-09); huggingface_bd3.py has neither, only
+low_confidence and random]. Read in the source (facts; the token written is always the sampled x0):
+  sequential: with f = the lowest masked index of the block, positions [f, f + n_s) of the block
+    (a slice: cut at the block end, taken whether masked or not; "No mask tokens" error otherwise,
+    unreachable since a clean block leaves the step loop first); n_s as above (denoising_steps);
+  entropy_bounded (eps = 1e-12; eb_threshold: CLI --eb_threshold, default 0.35, "entropy threshold
+    for entropy bounded sampling", required for this strategy; the function's default is None):
+    e = -(clamp(x0_p, eps) * log clamp(x0_p, eps)).sum(dim=-1), where x0_p (batch, block) is each
+    position's SAMPLED token probability from the sampler (temperature, top-k, top-p filtered
+    softmax); masked positions take e, the others +inf; ascending torch.sort (not stable); cumsum;
+    k = searchsorted(cumsum, eb_threshold, right=False), i.e. the number of running sums STRICTLY
+    below eb_threshold; k = max(1, min(k, #masked)); commit the first k of the sorted order.
+    num_transfer_tokens is not used; the block's step loop still has denoising_steps + 1 iterations
+    (each: a denoising forward while the block holds a mask, else the K/V-storing forward and exit).
+  As published, entropy_bounded does not run and does not compute a per-position entropy: (1) its
+  branch never creates `transfer_index` (the other branches do, with zeros_like), so its first step
+  raises UnboundLocalError; (2) x0_p has no vocabulary axis, so `.sum(dim=-1)` adds -p log p over
+  the BLOCK positions (masked or not) into one number per row, which only broadcasts back for batch
+  1 and gives every masked position the same value (the order among them is then torch.sort's
+  unspecified tie order).
+Built (SamplingParams.strategy on cache="block", decoding/block_loop.py; no SDAR-specific code):
+  strategy="sequential": the leftmost min(n, #masked) masked positions of the block. Equal to SDAR's
+    slice while the mask id itself is never committed: the block's masks then stay a suffix (only
+    the prompt tail precedes them), so [f, f + n_s) holds masks only, cut at the block end. (If a
+    sampled token IS the mask id, that position stays masked and leaves a hole: SDAR's slice then
+    re-samples the clean positions after it, ours takes the next masks.)
+  strategy="entropy_bounded", eb_threshold=b (> 0): the masked positions in order of increasing
+    entropy (ties: lower position first), k = #{running sums of the sorted entropies < b} (strict,
+    as searchsorted(right=False)), k = min(max(k, n), #masked); the running sum is in fp32.
+    ASSUMED (the source cannot decide it, above): a position's entropy is the Shannon entropy
+    -sum_v q_v log q_v (nats) of its own sampling distribution q over the vocabulary, the one its
+    confidence is read from (temperature 0: the softmax of the logits; T > 0: the tempered, top-k /
+    top-p filtered softmax, filtered-out tokens contributing 0; with confidence_before_filter, the
+    tempered softmax before the filters), which is what `.sum(dim=-1)` computes on a (batch, block,
+    vocab) probability tensor and what the name says. Not reproduced: the per-row sum over the
+    block and the crash.
+  n = the loop's per-step count: SDAR's at-least-one is n = 1 (num_to_transfer 1 with steps=None,
+    or steps = block_length, e.g. the family default 4 = B); `steps` < B raises the floor to the
+    schedule's n_s (ours; SDAR's entropy_bounded has no floor but 1). A block runs until it has no
+    mask (each step commits >= 1, so at most B steps), not SDAR's denoising_steps + 1 cap, which
+    could leave masks in a block if the strategy ran.
+  Exact mappings: sequential = SamplingParams(cache="block", block_length=B, strategy="sequential",
+  steps=denoising_steps, temperature, top_k, top_p); entropy_bounded = SamplingParams(cache="block",
+  block_length=B, strategy="entropy_bounded", eb_threshold=eb_threshold, steps=None or B). `threshold`
+  is unused by both; they do not combine with editing, indel or sub_block_length (refused), nor with
+  the full-canvas caches. Checked: tests/test_sdar_remasking.py (host-loop reference at temperature 0,
+  batch of prompts of different lengths, tokens and forwards).
 """
 from __future__ import annotations
 
