@@ -10,8 +10,8 @@ Streaming requests select the program variant with a per-iteration host callback
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length (OpenAI clients pass them
-with `extra_body=`); top_p is OpenAI's own field.
+max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length, sub_block_cache
+(OpenAI clients pass them with `extra_body=`); top_p is OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 
 Bounds and lifetimes: every knob that sets work (max_tokens, steps, max_post_steps) has a server
@@ -93,6 +93,7 @@ class DinferFields(BaseModel):
     indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
     confidence_before_filter: Optional[bool] = None  # SDAR's evaluation sampler: p before top-k/top-p
     sub_block_length: Optional[int] = None  # Fast-dLLM v2's small_block_size (0: off)
+    sub_block_cache: Optional[bool] = None  # Fast-dLLM v2's use_block_cache (sub-block DualCache)
     # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = None
