@@ -208,3 +208,17 @@ def test_sub_block_cache_bad_input_names_the_field():
     assert got["sub_block_cache"] is True and got["sub_block_length"] == 4
     assert "sub_block_cache" not in cli._block_flags(ap.parse_args([]))
     assert "sub_block_cache" in DinferFields.model_fields
+
+
+def test_continuous_batching_rows_decode_as_alone(dec_model):  # noqa: F811
+    """The server's scheduler (decoding/segments.py): rows swapped into slots whose every per-row
+    leaf (the KV cache, hence the block cache, included) was poisoned decode as alone, in tokens
+    and forwards."""
+    from test_segments import _check_alone, _drive
+    prompts = PROMPTS + [[3, 4], [90, 91, 92, 93, 94, 95, 96]]
+    sps = [dataclasses.replace(_params(0.9 if i % 2 else 0.05, True), ignore_eos=i % 3 != 1)
+           for i in range(len(prompts))]
+    results, rb = _drive(dec_model, prompts, sps, batch=2, seg=1, poison=True)
+    assert rb.mid_flight >= 2
+    _check_alone(dec_model, prompts, sps, results)
+    assert sum(generate(dec_model, prompts, sps).sub_block_forwards) > 0

@@ -37,7 +37,21 @@ masked positions of the first sub-block that still holds a mask; the threshold r
 on those candidates (with num_to_transfer = 1: those with p > threshold, else the most probable one
 = Fast-dLLM v2's "above the threshold, plus the argmax"). Every step is one forward over the whole
 block with the exact prefix cache (Fast-dLLM v2's `use_block_cache=False` path, its default, which
-its run_chatbot.py uses); its optional sub-block DualCache (use_block_cache=True) is not built.
+its run_chatbot.py uses).
+Sub-block DualCache (spec.sub_block_cache, with sub-blocks; Fast-dLLM v2's use_block_cache=True;
+facts and choices: families/fast_dllm_v2.py): a non-commit step whose current sub-block's first
+position is masked, or none of whose generated positions is decoded yet (`sub_block_refresh`: the
+sub-block is entered; with shifted logits the block's first position does not count), runs the
+whole-block window as above and PERSISTS its K/V of the block in the KV cache: the current block's
+slots are the block cache (the next block's commit window overwrites them with the final K/V).
+Every other step runs a window over the sub-block only, [sub start - sh, sub end) (the left position
+query-only, as above), reading the cache: exact K/V for finished blocks, stale block-cache K/V for
+the block's other positions; its fresh K/V are not written back (nothing reads them before the next
+refresh). Its b logits rows fill the sub-block's rows of the block's logits (the other rows are not
+candidates). The commit window also persists the current block (the block cache for a sub-block it
+decodes, without shifted logits). One forward per step as before: NFE counts both kinds; per-row
+sub-block forwards are GenerationResult.sub_block_forwards. Approximate (stale K/V) unless every
+sub-block is decoded in one step.
 Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   sample v_i, p_i for every position (temperature 0: argmax over the vocabulary, p = its softmax
   probability; else logits / T, top-k, top-p, one draw (Gumbel-max), p under the filtered softmax);
