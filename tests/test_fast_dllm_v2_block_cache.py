@@ -207,8 +207,15 @@ def test_sub_block_cache_bad_input_names_the_field():
     assert got["sub_block_cache"] is True and got["sub_block_length"] == 4
     assert "sub_block_cache" not in cli._block_flags(ap.parse_args([]))
     pytest.importorskip("pydantic")
-    from dinfer_jax.server import DinferFields
+    from dinfer_jax.server import DinferFields, derive_params
     assert "sub_block_cache" in DinferFields.model_fields
+    body = DinferFields(cache="block", sub_block_length=4, sub_block_cache=True)
+    upd = {k: getattr(body, k) for k in DinferFields.model_fields if getattr(body, k) is not None}
+    got = derive_params(SamplingParams(block_length=8), upd, 16)
+    assert got.sub_block_cache and got.spec_for(CFG).sub_block_cache
+    with pytest.raises(InvalidParam, match="needs sub_block_length") as e:  # the server's 400 names the field
+        derive_params(SamplingParams(block_length=8), {"cache": "block", "sub_block_cache": True}, 16).spec_for(CFG)
+    assert e.value.field == "sub_block_cache"
 
 
 def test_random_model_without_torch():
