@@ -179,7 +179,7 @@ def _block_flags(a) -> dict:
                  "sub_block_length", "eb_threshold"):
         if getattr(a, name) is not None:
             out[name] = getattr(a, name)
-    for name in ("indel", "confidence_before_filter"):
+    for name in ("indel", "confidence_before_filter", "sub_block_cache"):
         if getattr(a, name, False):
             out[name] = True
     out.setdefault("threshold", 0.9)
@@ -503,6 +503,10 @@ def _add_decoding_flags(p, with_lengths: bool = True):
     b.add_argument("--num-to-transfer", type=int, default=None, help="masks committed per step at least (1)")
     b.add_argument("--sub-block-length", type=int, default=None,
                    help="Fast-dLLM v2: decode each block in sub-blocks of this many positions, left to right (0: off)")
+    b.add_argument("--sub-block-cache", action="store_true",
+                   help="Fast-dLLM v2's sub-block DualCache (use_block_cache=True; needs --sub-block-length): "
+                        "whole-block forwards only when a sub-block is entered, sub-block forwards over a block "
+                        "cache (stale K/V: approximate) otherwise")
     b.add_argument("--top-k", type=int, default=None, help="with --temperature > 0: keep the k most probable tokens")
     b.add_argument("--top-p", type=float, default=None, help="with --temperature > 0: nucleus sampling")
     b.add_argument("--indel", action="store_true",

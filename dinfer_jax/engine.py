@@ -61,6 +61,7 @@ _RULES = {
     "eps": (_FLOAT, 0.0, True, 1.0, False),
     "sub_block_length": (_INT, 0, True, None, False),
     "eb_threshold": (_FLOAT, 0.0, False, None, False),
+    "sub_block_cache": (_BOOL,),
 }
 EB_THRESHOLD = 0.35  # SDAR generate.py's --eb_threshold default
 
@@ -171,6 +172,12 @@ class SamplingParams:
     # the running sum of their entropies stays < eb_threshold (nats), at least n (n = the steps
     # schedule's count, else num_to_transfer; SDAR: 1) and at most every mask. `threshold` is unused.
     eb_threshold: float = EB_THRESHOLD
+    # Fast-dLLM v2's sub-block DualCache (its generate(use_block_cache=True)): with sub_block_length,
+    # a step that enters a sub-block (or whose sub-block's first position is still masked) runs a
+    # forward over the whole block and keeps the block's K/V; the other steps run a forward over the
+    # sub-block only, reading the other block positions' K/V from that block cache (stale: an
+    # approximation; decoding/block_loop.py). False: every step is a whole-block forward (exact).
+    sub_block_cache: bool = False
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -233,6 +240,9 @@ class SamplingParams:
                     if getattr(self, name) != off:
                         raise InvalidParam(name, f"{name}={getattr(self, name)!r} does not combine with "
                                                  f"sub_block_length (Fast-dLLM v2's sub-block threshold rule)")
+            elif self.sub_block_cache:
+                raise InvalidParam("sub_block_cache", "sub_block_cache (Fast-dLLM v2's sub-block DualCache) needs "
+                                                      "sub_block_length > 0: the sub-blocks whose forwards it shortens")
             if self.indel and self.temperature > 0:
                 raise InvalidParam("temperature", f"indel (LLaDA2.2 insert/delete editing) decodes greedily "
                                                   f"(SGLang's JointThresholdInDel): temperature must be 0, "
@@ -244,6 +254,10 @@ class SamplingParams:
             if self.sub_block_length:
                 raise InvalidParam("sub_block_length", f"sub_block_length={self.sub_block_length} applies to block "
                                                        f"diffusion only (cache='block'), not cache={self.cache!r}")
+            if self.sub_block_cache:
+                raise InvalidParam("sub_block_cache", f"sub_block_cache (Fast-dLLM v2's sub-block DualCache) applies "
+                                                      f"to block diffusion with sub_block_length (cache='block'), not "
+                                                      f"cache={self.cache!r}")
             if self.indel:
                 raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) applies to block diffusion "
                                             f"only (cache='block'), not cache={self.cache!r}")
@@ -298,7 +312,7 @@ class SamplingParams:
             mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None or self.indel,
             max_post_steps=self.max_post_steps, indel=self.indel,
             alg=(self.alg or "origin") if self.strategy == DREAM else "", logit_shift=logit_shift,
-            sub_block_length=self.sub_block_length)
+            sub_block_length=self.sub_block_length, sub_block_cache=self.sub_block_cache)
 
 
 @dataclasses.dataclass
@@ -319,6 +333,8 @@ class GenerationResult:
     edits: list[int] | None = None  # block diffusion with editing: token-to-token edits per prompt
     inserts: list[int] | None = None  # indel: SPLIT (insert) tokens written per prompt
     deletes: list[int] | None = None  # indel: DELETE tokens written per prompt
+    # sub_block_cache: per prompt, how many of its forwards covered only a sub-block (read the block cache)
+    sub_block_forwards: list[int] | None = None
 
 
 def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
@@ -551,9 +567,10 @@ class Generator:
         edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
         ins, dels = ([[int(v) for v in stats[k][:n]] for k in ("inserts", "deletes")] if "inserts" in stats
                      else (None, None))
+        subf = [int(v) for v in stats["row_sub"][:n]] if "row_sub" in stats else None
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
-                                edits, ins, dels)
+                                edits, ins, dels, subf)
 
 
 def knob_value(p: SamplingParams, k: str) -> float:

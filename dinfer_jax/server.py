@@ -10,9 +10,9 @@ Streaming requests select the program variant with a per-iteration host callback
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length, and strategy
-"sequential" / "entropy_bounded" (SDAR's remasking) with eb_threshold (OpenAI clients pass them
-with `extra_body=`); top_p is OpenAI's own field.
+max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length, sub_block_cache,
+and strategy "sequential" / "entropy_bounded" (SDAR's remasking) with eb_threshold (OpenAI clients pass
+them with `extra_body=`); top_p is OpenAI's own field.
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 
 Bounds and lifetimes: every knob that sets work (max_tokens, steps, max_post_steps) has a server
@@ -96,6 +96,7 @@ class DinferFields(BaseModel):
     confidence_before_filter: Optional[bool] = None  # SDAR's evaluation sampler: p before top-k/top-p
     sub_block_length: Optional[int] = None  # Fast-dLLM v2's small_block_size (0: off)
     eb_threshold: Optional[float] = None  # strategy "entropy_bounded" (SDAR's): the summed-entropy bound
+    sub_block_cache: Optional[bool] = None  # Fast-dLLM v2's use_block_cache (sub-block DualCache)
     # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
     ignore_eos: Optional[bool] = None
     min_tokens: Optional[int] = None

@@ -37,7 +37,21 @@ masked positions of the first sub-block that still holds a mask; the threshold r
 on those candidates (with num_to_transfer = 1: those with p > threshold, else the most probable one
 = Fast-dLLM v2's "above the threshold, plus the argmax"). Every step is one forward over the whole
 block with the exact prefix cache (Fast-dLLM v2's `use_block_cache=False` path, its default, which
-its run_chatbot.py uses); its optional sub-block DualCache (use_block_cache=True) is not built.
+its run_chatbot.py uses).
+Sub-block DualCache (spec.sub_block_cache, with sub-blocks; Fast-dLLM v2's use_block_cache=True;
+facts and choices: families/fast_dllm_v2.py): a non-commit step whose current sub-block's first
+position is masked, or none of whose generated positions is decoded yet (`sub_block_refresh`: the
+sub-block is entered; with shifted logits the block's first position does not count), runs the
+whole-block window as above and PERSISTS its K/V of the block in the KV cache: the current block's
+slots are the block cache (the next block's commit window overwrites them with the final K/V).
+Every other step runs a window over the sub-block only, [sub start - sh, sub end) (the left position
+query-only, as above), reading the cache: exact K/V for finished blocks, stale block-cache K/V for
+the block's other positions; its fresh K/V are not written back (nothing reads them before the next
+refresh). Its b logits rows fill the sub-block's rows of the block's logits (the other rows are not
+candidates). The commit window also persists the current block (the block cache for a sub-block it
+decodes, without shifted logits). One forward per step as before: NFE counts both kinds; per-row
+sub-block forwards are GenerationResult.sub_block_forwards. Approximate (stale K/V) unless every
+sub-block is decoded in one step.
 Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   sample v_i, p_i for every position (temperature 0: argmax over the vocabulary, p = its softmax
   probability; else logits / T, top-k, top-p, one draw (Gumbel-max), p under the filtered softmax);
@@ -200,6 +214,21 @@ def sub_block_candidates(masked_BS, sub: int, shift: int):
     return cand
 
 
+def sub_block_refresh(masked_BS, gen_BS, sub: int, shift: int):
+    """The sub-block DualCache's schedule (module doc) -> (sub_B, refresh_B): the current sub-block
+    (the first holding a mask) and whether this step runs over the whole block (refreshing the
+    block cache): when the sub-block's first position is masked (Fast-dLLM v2's rule), or when none
+    of its generated positions is decoded yet (it is entered: our rule; with shifted logits the
+    block's first position, decoded alone as the AR step, does not count)."""
+    B, S = masked_BS.shape
+    pos = jnp.arange(S)[None, :]
+    sub_B = jnp.argmax(jnp.any(masked_BS.reshape(B, S // sub, sub), axis=-1), axis=-1).astype(jnp.int32)
+    in_sub = (pos // sub) == sub_B[:, None]
+    first_masked = jnp.any(masked_BS & (pos == sub_B[:, None] * sub), axis=-1)
+    decoded = in_sub & gen_BS & ~masked_BS & (pos >= shift)
+    return sub_B, first_masked | ~jnp.any(decoded, axis=-1)
+
+
 def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, editing: bool, n_B=None,
                  cand_BS=None, strategy: str = "threshold"):
     """One decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
@@ -330,6 +359,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     B = pad_B.shape[0]
     Bk, M = spec.block_length, spec.mask_id
     sh, sb = spec.logit_shift, spec.sub_block_length
+    sbc = spec.sub_block_cache
     from dinfer_jax.decoding.loop import row_gen_end
     gen_end = gen_start + spec.gen_length  # the program's generation region (static)
     gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
@@ -376,6 +406,8 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
         )
+        if sbc:  # sub-block forwards: per row, and batch-wide (the block cache itself lives in `kv`)
+            state.update(row_sub=jnp.zeros((B,), jnp.int32), nfe_sub=jnp.zeros((), jnp.int32))
         if spec.indel:  # LLaDA2.2 insert/delete editing: per-row block state (indel_step)
             state.update(ind=dict(orig=jnp.zeros((B, Bk), bool), seen=jnp.zeros((B, H, Bk), jnp.int32),
                                   hist=jnp.zeros((B, H, Bk), jnp.int32)),
@@ -389,39 +421,55 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         commit = active & (s["stp"] == 0) & (s["blk"] > 0)
         plain = active & ~commit
         V = cfg.vocab_size
+        x_blk = window_slice(x, start_B, Bk)
+        blk_idx = start_B[:, None] + jnp.arange(Bk)[None, :]
+        in_gen = blk_idx >= gen_start
+        masked0 = x_blk == M
+        if sbc:  # the sub-block DualCache (module doc): which plain steps run over the sub-block only
+            sub_B, refresh = sub_block_refresh(masked0 & in_gen, in_gen, sb, sh)
+            short = plain & ~refresh
+            plain = plain & refresh
 
         def window(size, back, persist):
             # Shifted logits (sh = 1): the window starts one position earlier (a query only: its K/V
             # stay the cached ones) and the logits rows are read one row earlier (module doc).
-            size, back = size + sh, back + sh
+            return forward(start_B - back - sh, size + sh, back, Bk, persist)
+
+        def forward(ws, size, logits_at, n_logits, persist):
             write = None if not sh else jnp.broadcast_to(jnp.arange(size) >= sh, (B, size))
 
-            def run(_):
-                ws = start_B - back
+            def run(kv_in):
                 with jax.named_scope("forward_block"):
                     logits, kv_new = module.apply(
                         {"params": params}, tokens_BS=window_slice(x, ws, size),
-                        positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL, kv=kv,
+                        positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL, kv=kv_in,
                         window_start=ws, kv_write_BS=write, key_positions_BL=positions_BL,
-                        logits_window=(jnp.full((B,), back - sh, jnp.int32), Bk))
+                        logits_window=(jnp.full((B,), logits_at, jnp.int32), n_logits))
                 if persist is None:
-                    return logits, kv
-                # Only the commit window persists: its previous block is clean, so those K/V are final.
-                return logits, tuple(jnp.where(persist[None, :, None, None, None], a, b) for a, b in zip(kv_new, kv))
+                    return logits, kv_in
+                # The commit window persists (its previous block is clean, so those K/V are final);
+                # with the sub-block DualCache the whole-block window persists too (the block cache).
+                return logits, tuple(jnp.where(persist[None, :, None, None, None], a, b)
+                                     for a, b in zip(kv_new, kv_in))
             return run
 
-        def skip(_):
-            return jnp.zeros((B, Bk, V), jnp.float32), kv
+        def skip(kv_in):
+            return jnp.zeros((B, Bk, V), jnp.float32), kv_in
 
-        logits_c, kv = jax.lax.cond(jnp.any(commit), window(2 * Bk, Bk, commit), skip, None)
-        logits_p, _ = jax.lax.cond(jnp.any(plain), window(Bk, 0, None), skip, None)
+        logits_c, kv = jax.lax.cond(jnp.any(commit), window(2 * Bk, Bk, commit), skip, kv)
+        logits_p, kv = jax.lax.cond(jnp.any(plain), window(Bk, 0, plain if sbc else None), skip, kv)
         logits = jnp.where(commit[:, None, None], logits_c, logits_p)
+        if sbc:
+            # Sub-block forward: window [sub start - sh, sub end) over the cache (block cache for the
+            # block's other positions); its b logits rows go to the sub-block's rows of the block.
+            def short_run(kv_in):
+                lg, _ = forward(start_B + sub_B * sb - sh, sb + sh, 0, sb, None)(kv_in)
+                return window_write(jnp.zeros((B, Bk, V), jnp.float32), lg.astype(jnp.float32), sub_B * sb), kv_in
+
+            logits_s, _ = jax.lax.cond(jnp.any(short), short_run, skip, kv)
+            logits = jnp.where(short[:, None, None], logits_s, logits)
 
         with jax.named_scope("strategy"):
-            x_blk = window_slice(x, start_B, Bk)
-            blk_idx = start_B[:, None] + jnp.arange(Bk)[None, :]
-            in_gen = blk_idx >= gen_start
-            masked0 = x_blk == M
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
             logits = forbid_eos(logits, blk_idx - gen_start, spec.eos_id, knobs)  # ignore_eos / min_tokens
             n_B = None
@@ -476,6 +524,9 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             nfe_commit=s["nfe_commit"] + jnp.any(commit).astype(jnp.int32),
             iters=s["iters"] + 1,
         )
+        if sbc:
+            new.update(row_sub=s["row_sub"] + short.astype(jnp.int32),
+                       nfe_sub=s["nfe_sub"] + jnp.any(short).astype(jnp.int32))
         if spec.indel:
             new.update(ind=ind, inserts=s["inserts"] + jnp.where(active, n_ins, 0),
                        deletes=s["deletes"] + jnp.where(active, n_del, 0))
@@ -485,4 +536,4 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         return {**s, **new}
 
     keys = ("iters", "row_nfe", "steps_per_block", "done", "edits", "nfe_commit")
-    return init, body, keys + (("inserts", "deletes") if spec.indel else ())
+    return init, body, keys + (("inserts", "deletes") if spec.indel else ()) + (("row_sub",) if sbc else ())

@@ -74,6 +74,7 @@ class DecodeSpec:
     alg: str = ""  # strategy "dream": Dream's rule, one of strategies.DREAM_ALGS
     logit_shift: int = 0  # the model's ModelConfig.logit_shift (see the module doc)
     sub_block_length: int = 0  # cache="block": sub-blocks decoded left to right (block_loop.py; 0: off)
+    sub_block_cache: bool = False  # with sub_block_length: the sub-block DualCache (block_loop.py)
 
     def __post_init__(self):
         problems = []
@@ -114,8 +115,12 @@ class DecodeSpec:
                                 f"block_length={self.block_length}")
             elif self.sub_block_length and (self.editing or self.steps_per_block):
                 problems.append("sub_block_length does not combine with editing or steps_per_block")
+            if self.sub_block_cache and not self.sub_block_length:
+                problems.append("sub_block_cache needs sub_block_length > 0 (the sub-blocks it caches)")
         elif self.strategy in st.BLOCK_ONLY:
             problems.append(f"strategy {self.strategy!r} needs cache='block' (block diffusion)")
+        elif self.sub_block_cache:
+            problems.append("sub_block_cache needs cache='block' (block diffusion) and sub_block_length > 0")
         elif self.sub_block_length:
             problems.append(f"sub_block_length={self.sub_block_length} needs cache='block' (block diffusion)")
         elif self.editing or self.indel:
@@ -213,7 +218,7 @@ def loop_stats(state, stat_keys) -> dict:
     stats = {k: state[k] for k in stat_keys}
     if "nfe_commit" in state:  # block mode: every forward is a window (none covers the whole canvas)
         stats["nfe_full"] = jnp.zeros((), jnp.int32)
-        stats["nfe_window"] = state["nfe_window"] + state["nfe_commit"]
+        stats["nfe_window"] = state["nfe_window"] + state["nfe_commit"] + state.get("nfe_sub", 0)
     return stats
 
 

@@ -35,13 +35,31 @@ Facts and their sources (read in public code; nothing copied):
       argmax of its last row becomes the first token of the next block (AR step);
     - stop: when <|im_end|> (151645) is in the generated part with no mask before it; output cut
       after it;
-    - use_block_cache=True (not the default, not used by run_chatbot.py): the sub-block DualCache:
-      at a sub-block start a forward over the whole block stores the block's K/V, later steps of the
-      sub-block run a forward over the sub-block only, replacing its own K/V in that block cache
-      (the rest of the block's K/V are stale); NOT BUILT here. In the copy read, that block cache
-      is not reset between blocks, so the first sub-block of a later block (whose first position is
-      the AR token, not a mask) reads the previous block's block cache: we could not tell whether
-      the released code does the same, one more reason it is not reproduced.
+    - use_block_cache=True (not the default, not used by run_chatbot.py): the sub-block DualCache.
+      A step runs a forward over the whole block (reading the exact cache of finished blocks)
+      that stores the block's K/V in a "block cache" when no block cache exists yet or when the
+      current sub-block's FIRST position is still masked; otherwise a forward over the sub-block
+      only (RoPE positions of the sub-block), whose fresh K/V replace the sub-block's entries of
+      the block cache, the rest of the block being read stale from it; its logits are shifted
+      inside the sub-block (the sub-block's first position uses its own row, but it is never a
+      candidate then: it is decoded). In the copy read, that block cache is never reset between
+      blocks: the first sub-block of a later block (whose first position is the AR token, not a
+      mask) reads the PREVIOUS block's block cache (other tokens, other positions); we could not
+      tell whether the released code does the same.
+  BUILT here (SamplingParams(sub_block_cache=True), decoding/block_loop.py `sub_block_refresh`): a
+  step runs the whole-block forward, which refreshes the block cache, when the current sub-block's
+  first position is masked (Fast-dLLM v2's rule) OR when none of the sub-block's generated positions
+  is decoded yet (our choice, replacing the cross-block stale read above: the block cache is
+  refreshed at every sub-block start, so the first sub-block of every block, and a sub-block whose
+  first position is prompt text, start with a whole-block forward); the other steps run a forward
+  over the sub-block only (plus the query-only position on its left that shifted logits read), over
+  the KV cache where the current block's positions hold the block cache. The block cache lives in
+  the loop's one KV cache (the current block's slots, which the next block's first forward
+  overwrites with the block's final K/V), so it needs no state of its own. The sub-block forward's
+  fresh K/V are not written back (the copy writes them in place; under the rule above nothing reads
+  them before the next refresh). Exact when every sub-block is decoded in one step (each step then
+  enters a sub-block); checked token for token and in forwards against a host reference written
+  from these facts (tests/test_fast_dllm_v2_block_cache.py).
   Our mapping (decoding/block_loop.py, module doc): SamplingParams(cache="block", block_length=32,
   sub_block_length=8, threshold=0.9, num_to_transfer=1) with logit_shift=1. The block's AR head is
   our block's first step (committed alone, from the last row of the previous block); tokens equal
