@@ -75,15 +75,14 @@ def resolve(w):
 
 
 def _column_tile(K: int, N: int) -> int:
-    """Columns per in-place tile: the largest divisor of N that is a multiple of 128 (or N) with
-    K * tile <= TILE_ELEMS; 0 when the whole matrix fits in one tile or no divisor fits."""
+    """Columns per in-place tile: the largest divisor of N that is a multiple of 128 with
+    K * tile <= TILE_ELEMS, else the smallest such divisor (a tall matrix); 0 when the whole
+    matrix fits in one tile or N has no such divisor (then the matrix is sliced whole)."""
     if K * N <= TILE_ELEMS:
         return 0
-    best = 0
-    for t in range(128, N, 128):
-        if N % t == 0 and K * t <= TILE_ELEMS:
-            best = t
-    return best
+    divisors = [t for t in range(128, N, 128) if N % t == 0]
+    fitting = [t for t in divisors if K * t <= TILE_ELEMS]
+    return max(fitting) if fitting else min(divisors, default=0)
 
 
 def matmul_in_place(x_MK, stack, idx: tuple, K: int, N: int):
