@@ -11,11 +11,12 @@ forward copying the layer's experts, 27% of a medium dense one copying its proje
 attention projections, MLP / expert / shared-expert matrices) as `LayerSlice(stack, layer)`,
 which the matmul helpers below resolve. Where reading in place pays (one CPU device: the
 `in_place` decision is made here, from the compile target and the mesh, never in the model files),
-`matmul` walks the output columns in tiles of at most TILE_ELEMS weight elements, each tile a
-dynamic-slice of the stack that stays in cache until its dot reads it, instead of one copy of the
-whole matrix; elsewhere a LayerSlice is simply w[layer] (what nn.scan would have sliced), so
+`matmul` with few rows (a window forward; TILE_MAX_ROWS) walks the output columns in tiles of at
+most TILE_ELEMS weight elements, each tile a dynamic-slice of the stack that stays in cache until
+its dot reads it, instead of one copy of the whole matrix; elsewhere a LayerSlice is simply w[layer] (what nn.scan would have sliced), so
 accelerator programs are unchanged. The MoE tiled path (pallas_kernels.moe.swiglu_experts_tiled)
-reads w[layer, expert] the same way through `expert_matmul`.
+reads w[layer, expert] from the stack through `expert_matmul` (one expert's matrix per tile, never
+the layer's whole expert stack).
 
 Same params, same values; per output element the same dot (the tiles split columns, never the
 contraction).
@@ -33,6 +34,10 @@ from dinfer_jax.models import quant
 
 # At most this many weight elements per in-place column tile (1 MiB of fp32: an L2-sized piece).
 TILE_ELEMS = 1 << 18
+# Column tiles only for matmuls of at most this many rows (window forwards): with more rows the GEMM
+# amortises one copy of the matrix, and narrow tiles made the 7B-A1B full refresh (192 rows) ~7%
+# slower on the project's 2-core box (bench/RESULTS.md, issue 19 item 2).
+TILE_MAX_ROWS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -87,11 +92,12 @@ def _column_tile(K: int, N: int) -> int:
 
 def matmul_in_place(x_MK, stack, idx: tuple, K: int, N: int):
     """x_MK @ stack[idx] (a (K, N) matrix after the leading indices idx; its trailing dims are
-    reshaped to (K, N) for free) without copying the whole matrix: column tiles, one dot each."""
+    reshaped to (K, N) for free) without copying the whole matrix: column tiles, one dot each
+    (for at most TILE_MAX_ROWS rows; else one slice of the matrix, then one dot)."""
     lead = len(idx)
     w = stack.reshape(stack.shape[:lead] + (K, N))
     tn = _column_tile(K, N)
-    if not tn:
+    if not tn or x_MK.shape[0] > TILE_MAX_ROWS:
         return x_MK @ w[idx]
     starts = tuple(jnp.asarray(i, jnp.int32) for i in idx)
     zero = jnp.zeros((), jnp.int32)
@@ -134,11 +140,11 @@ def einsum(spec: str, x, w):
 
 def expert_matmul(rows, w, e):
     """rows @ w[e] for an expert stack w (E, D, F): a plain array, a QuantizedWeight, or a
-    LayerSlice of a layer-stacked one (read in place when it says so)."""
+    LayerSlice of a layer-stacked one, whose tile reads w[layer, e] straight from the stack: XLA
+    copies that one expert's matrix (contiguous) before the dot, never the layer's whole stack.
+    Column tiles of an expert (matmul_in_place) measured slower at 7B-A1B widths on an idle
+    2-core box (bench/RESULTS.md, issue 19 item 2): strided 1 MiB copies + N=128 GEMMs."""
     if isinstance(w, LayerSlice):
-        if w.in_place and not isinstance(w.stack, quant.QuantizedWeight):
-            K, N = w.shape[-2], w.shape[-1]
-            return matmul_in_place(rows, w.stack, (w.layer, e), K, N)
         return rows @ w.stack[w.layer, e]
     return rows @ w[e]
 
