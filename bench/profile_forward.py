@@ -4,6 +4,7 @@ prompt 128, gen 64, block 32, random weights).
 
   python bench/profile_forward.py --kind dual          # or full; --layers, --repeats, --top
   python bench/profile_forward.py --tiny --kind dual   # seconds (tests)
+  python bench/profile_forward.py --preset medium      # the medium dense LLaDA (bench/forward_ab.py)
 
 Prints ms per forward and calls per forward of the --top ops by total duration (trace events of
 the XLA:CPU thunk executor or the device ops on an accelerator), and the share of the forward taken
@@ -61,6 +62,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.tiny:
         cfg, prompt, gen, block = rl.tiny_configs()[0], 96, 32, 16
+    elif a.preset == "medium":
+        from bench.forward_ab import model_config
+        cfg, prompt, gen, block = model_config("medium", 0), 128, 64, 32
     else:
         cfg, prompt, gen, block = preset(a.preset).replace(num_layers=a.layers), 128, 64, 32
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

@@ -170,3 +170,19 @@ def test_quantize_memory_bench_tiny(tmp_path):
     for kind in ("int8", "fp8"):
         assert rows[kind]["disk_bytes"] < rows["bf16"]["disk_bytes"] * 1.5 and rows[kind]["top1_agreement"] > 0.5
         assert rows[kind]["peak_rss_after_load_GiB"] > 0
+
+
+def test_forward_ab_tiny(tmp_path):
+    """bench/forward_ab.py --tiny with two trees (this one twice) and the eager PyTorch peer: the
+    trees agree exactly, every side is timed in every round, ratios and % of peak are reported."""
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "forward_ab.py"), "--tiny", "--torch",
+                        "--trees", f"a={ROOT}", f"b={ROOT}", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert all(v == 0.0 for v in res["diffs"]["b"].values()), res["diffs"]
+    assert {(row["side"], row["kind"]) for row in res["rows"]} == {
+        (s, k) for s in ("a", "b", "torch") for k in ("full", "dual")}
+    assert all(len(t) == 2 for side in res["times"].values() for t in side.values())
+    assert "full: torch / b" in r.stdout and "| side | kind |" in r.stdout

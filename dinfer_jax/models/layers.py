@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import as_starts, window_write
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.models import quant
+from dinfer_jax.models import quant, stacked
 from pallas_kernels.attention import attention
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -22,12 +22,14 @@ _init = nn.initializers.normal(stddev=0.02)
 def param(module: nn.Module, name: str, shape, axes, dtype, init=_init):
     """A parameter with logical axis names `axes` (one per dim). A quantized weight stored under
     `name` (models/quant.py QuantizedWeight) is returned as is; the layers multiply through
-    quant.einsum / `@`, which dequantize inside the matmul."""
+    quant.einsum / `@`, which dequantize inside the matmul. A stacked.LayerSlice (a layer of a
+    layer-stacked weight, from stacked.scan_layers) is returned as is too: stacked.einsum / `@`
+    read it from the stack."""
     if module.has_variable("params", name):
         v = module.get_variable("params", name)
-        if isinstance(v, quant.QuantizedWeight):
+        if isinstance(v, (quant.QuantizedWeight, stacked.LayerSlice)):
             if tuple(v.shape) != tuple(shape):
-                raise ValueError(f"{module.name}/{name}: quantized weight of shape {v.shape}, expected {shape}")
+                raise ValueError(f"{module.name}/{name}: weight of shape {v.shape}, expected {shape}")
             return v
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
@@ -106,9 +108,9 @@ class Attention(nn.Module):
         wk = param(self, "k_proj", (D, K, H), ("embed", "kv_heads", "head_dim"), self.dtype)
         wv = param(self, "v_proj", (D, K, H), ("embed", "kv_heads", "head_dim"), self.dtype)
         wo = param(self, "o_proj", (N, H, D), ("heads", "head_dim", "embed"), self.dtype)
-        q = quant.einsum("bsd,dnh->bsnh", x_BSD, wq)
-        k = quant.einsum("bsd,dkh->bskh", x_BSD, wk)
-        v = quant.einsum("bsd,dkh->bskh", x_BSD, wv)
+        q = stacked.einsum("bsd,dnh->bsnh", x_BSD, wq)
+        k = stacked.einsum("bsd,dkh->bskh", x_BSD, wk)
+        v = stacked.einsum("bsd,dkh->bskh", x_BSD, wv)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + param(self, "q_bias", (N, H), ("heads", "head_dim"), self.dtype, zeros).astype(q.dtype)
@@ -130,7 +132,7 @@ class Attention(nn.Module):
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
             o_BSNH = attention(q, k, v, key_mask_BL, q_pos_BS=positions_BS, k_pos_BL=k_pos, block_size=block_size,
                                impl=self.attention_impl, platform=self.platform, **_shard_kw(self.mesh, k.shape))
-        return quant.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
+        return stacked.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 
 class MLP(nn.Module):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.models import stacked
 from dinfer_jax.models.layers import MLP, param
 from dinfer_jax.models.quant import QuantizedWeight, expert_matmul, matmul, ragged_matmul
 from pallas_kernels.attention import target_platform
@@ -137,14 +138,15 @@ def experts_ragged(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
-def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD, layer=None):
+def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
     """Dropless sorted path with the tile-padded scan grouped matmul (same result as `experts_dense`).
-    layer: index into layer-stacked weights (see swiglu_experts_tiled)."""
+    The weights may be stacked.LayerSlices: each tile then reads w[layer, expert] from the stack."""
     E = w_gate_EDF.shape[-3]
 
     def swiglu(x_sorted, flat_experts):
         group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-        return swiglu_experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, layer=layer)
+        return swiglu_experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD,
+                                    weight_matmul=stacked.expert_matmul)
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
@@ -160,20 +162,12 @@ def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
-def reads_stacked_experts(impl: str, mesh, platform: str | None = None) -> bool:
-    """Whether this expert path reads its weights from the layer-stacked params in place (see
-    MoE.__call__'s stacked_experts): the tiled path on one device."""
-    return resolve_impl(impl, platform) == "tiled" and (mesh is None or mesh.size == 1)
-
-
 class MoE(nn.Module):
     """Routed SwiGLU experts (+ shared experts). x_BSD -> y_BSD. Params: router (D, E),
     router_bias (E) (sigmoid_group only), experts (E, D, F) / (E, F, D), and shared/{gate,up,down}_proj
     (D, Fs) / (Fs, D) with Fs = F * num_shared_experts when num_shared_experts > 0.
-
-    __call__(x_BSD, stacked_experts=None): stacked_experts = (layer index, {gate_proj, up_proj,
-    down_proj} stacked over layers) makes the tiled expert matmuls read those in place instead of
-    this layer's params (the same values); callers pass it only where reads_stacked_experts(impl, mesh)."""
+    The expert weights may be stacked.LayerSlices (models/stacked.py): the tiled path reads them
+    from the layer stack tile by tile; the other paths take the layer's slice."""
     cfg: ModelConfig
     impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
@@ -181,7 +175,7 @@ class MoE(nn.Module):
     platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
-    def __call__(self, x_BSD, stacked_experts=None):
+    def __call__(self, x_BSD):
         c = self.cfg
         D, F, E = c.hidden_size, c.intermediate_size, c.num_experts
         rp = {"router": param(self, "router", (D, E), ("embed", "expert_logits"), self.dtype)}
@@ -194,22 +188,21 @@ class MoE(nn.Module):
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         impl = resolve_impl(self.impl, self.platform)
-        if impl == "pallas" and isinstance(wg, QuantizedWeight):
+        if impl == "pallas" and isinstance(getattr(wg, "stack", wg), QuantizedWeight):
             impl = "tiled"  # the Pallas gmm kernel takes float weights; the tiled scan dequantizes per tile
         fn = {"ragged": experts_ragged, "tiled": experts_tiled,
               "pallas": functools.partial(experts_pallas, platform=self.platform), "dense": experts_dense}[impl]
-        if self.mesh is not None and self.mesh.size > 1:
+        multi_device = self.mesh is not None and self.mesh.size > 1
+        if impl != "tiled" or multi_device:  # only the one-device tiled scan reads the layer stack itself
+            wg, wu, wd = (stacked.resolve(w) for w in (wg, wu, wd))
+        if multi_device:
             from dinfer_jax.models.expert_parallel import moe_expert_parallel
             from dinfer_jax.sharding import batch_axes
             y = moe_expert_parallel(x_TD, rp, wg, wu, wd, mesh=self.mesh, token_axes=batch_axes(B, self.mesh),
                                     route_fn=lambda x, p: route_model(x, p, c), local_experts_fn=fn)
         else:
             weights_TX, experts_TX = route_model(x_TD, rp, c)
-            if stacked_experts is not None:  # the Transformer passes it only where reads_stacked_experts
-                layer, w = stacked_experts
-                y = experts_tiled(x_TD, weights_TX, experts_TX, w["gate_proj"], w["up_proj"], w["down_proj"], layer)
-            else:
-                y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
+            y = fn(x_TD, weights_TX, experts_TX, wg, wu, wd)
         y = y.reshape(B, S, D).astype(x_BSD.dtype)
         if c.num_shared_experts:
             y = y + MLP(c, self.dtype, F * c.num_shared_experts, name="shared")(x_BSD)

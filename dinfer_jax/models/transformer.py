@@ -6,11 +6,10 @@ layers: those form a second, separately scanned stack `dense_layers` that runs f
 
 Pure-functional Flax Linen: `Transformer(cfg).apply({"params": params}, ...)`. Layers are stacked
 with `nn.scan` (params carry a leading layer axis), which keeps compile time flat in depth.
-Where the MoE expert path reads layer-stacked weights in place (the tiled path on one device), the
-layers run in a `lax.scan` of their own that hands each layer the stacked expert weights and its
-index: nn.scan would slice every layer's experts out of the stack, and XLA copies such a slice
-(all E experts of the layer) before the tile loop, which took 49% of a 7B-A1B window forward on
-CPU (bench/profile_forward.py, bench/RESULTS.md). Same params, same values, same results.
+Outside init, the stack runs through models/stacked.py's scan_layers (a lax.scan over layer
+indices), which hands each layer its matmul weights as slices of the stack that the kernel
+helpers read in place where that pays (XLA:CPU copies every layer slice it takes of a stacked
+weight otherwise; bench/RESULTS.md). Same params, same values, same results.
 
 Param tree (shapes; L_ = layers):
   embed/embedding (V, D)
@@ -35,9 +34,9 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.models import quant
+from dinfer_jax.models import quant, stacked
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
-from dinfer_jax.models.moe import MoE, reads_stacked_experts
+from dinfer_jax.models.moe import MoE
 from dinfer_jax.sharding import constrain
 
 
@@ -59,9 +58,7 @@ class DecoderLayer(nn.Module):
     platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL=None,
-                 stacked_experts=None):
-        """stacked_experts: see MoE.__call__ (MoE layers only)."""
+    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL=None):
         c = self.cfg
         a, new_kv = Attention(c, self.dtype, self.attention_impl, self.mesh, self.platform, name="attn")(
             RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
@@ -71,7 +68,7 @@ class DecoderLayer(nn.Module):
         if self.dense_ffn:
             y = MLP(c, self.dtype, c.dense_intermediate_size, name="mlp")(m)
         elif c.is_moe:
-            y = MoE(c, self.moe_impl, self.dtype, self.mesh, self.platform, name="mlp")(m, stacked_experts)
+            y = MoE(c, self.moe_impl, self.dtype, self.mesh, self.platform, name="mlp")(m)
         else:
             y = MLP(c, self.dtype, name="mlp")(m)
         new_kv = tuple(constrain(t, KV_AXES, self.mesh) for t in new_kv)
@@ -128,23 +125,18 @@ class Transformer(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
 
-    def _layers_reading_stacked_experts(self, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
-                                        key_positions_BL):
-        """The nn.scan of `self.layers` as a lax.scan over layer indices: each layer gets its slice of
-        the stacked params and, for its experts, the stack itself with its index (see module doc).
-        The expert slices it is also handed go unused, so XLA drops them."""
-        stacked = self.variables["params"]["layers"]
-        experts = {k: stacked["mlp"][k] for k in ("gate_proj", "up_proj", "down_proj")}
+    def _run_stack(self, name: str, dense_ffn: bool, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
+                   key_positions_BL):
+        """The layer stack `name` over x (nn.scan at init; else stacked.scan_layers, module doc)."""
+        if self.is_initializing():
+            return getattr(self, name)(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL)
         layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size,
-                             False, self.platform,
-                             parent=None)
+                             dense_ffn, self.platform, parent=None)
 
-        def body(x, xs):
-            i, kv_i = xs
-            p_i = jax.tree_util.tree_map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), stacked)
+        def fn(p_i, x, kv_i):
             return layer.apply({"params": p_i}, x, positions_BS, key_mask_BL, kv_i, window_start, kv_write_BS,
-                               key_positions_BL, (i, experts))
-        return jax.lax.scan(body, x, (jnp.arange(self.cfg.num_scanned_layers), kv))
+                               key_positions_BL)
+        return stacked.scan_layers(fn, self.variables["params"][name], x, kv, platform=self.platform, mesh=self.mesh)
 
     def embed_tokens(self, tokens_BS):
         """tokens_BS -> embeds_BSD (also used to build soft embeddings for iteration smoothing)."""
@@ -166,14 +158,10 @@ class Transformer(nn.Module):
             tuple(t[:k0] for t in kv), tuple(t[k0:] for t in kv))
         with jax.named_scope("layers"):
             if k0:
-                x, dense_kv = self.dense_layers(x, positions_BS, key_mask_BL, kv_dense, window_start, kv_write_BS,
-                                                key_positions_BL)
-            if (self.cfg.is_moe and reads_stacked_experts(self.moe_impl, self.mesh, self.platform)
-                    and not self.is_initializing()):
-                x, new_kv = self._layers_reading_stacked_experts(x, positions_BS, key_mask_BL, kv, window_start,
-                                                                 kv_write_BS, key_positions_BL)
-            else:
-                x, new_kv = self.layers(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL)
+                x, dense_kv = self._run_stack("dense_layers", True, x, positions_BS, key_mask_BL, kv_dense, window_start,
+                                              kv_write_BS, key_positions_BL)
+            x, new_kv = self._run_stack("layers", False, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
+                                        key_positions_BL)
             if k0:
                 new_kv = tuple(jnp.concatenate([a, b]) for a, b in zip(dense_kv, new_kv))
         if logits_window is not None:

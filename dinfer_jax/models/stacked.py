@@ -1,0 +1,178 @@
+"""The layer loop over layer-stacked params, and matmuls that read a layer's weight from the stack.
+
+Params carry a leading layer axis (nn.scan in models/transformer.py). Inside a loop over layers,
+slicing layer i out of a stack is a dynamic-slice, and XLA:CPU copies every such slice before the
+dot that reads it (it cannot fuse a dynamic-slice into a dot operand, nor alias a slice of a
+buffer): measured (bench/profile_forward.py, bench/RESULTS.md) up to 49% of a 7B-A1B window
+forward copying the layer's experts, 27% of a medium dense one copying its projections.
+
+`scan_layers` runs the stack as a lax.scan over layer indices. Each layer gets its small params
+(norm scales, biases, router) sliced as usual and its matmul weights (quant.QUANTIZED_PARAMS:
+attention projections, MLP / expert / shared-expert matrices) as `LayerSlice(stack, layer)`,
+which the matmul helpers below resolve. Where reading in place pays (one CPU device: the
+`in_place` decision is made here, from the compile target and the mesh, never in the model files),
+`matmul` with few rows (a window forward; TILE_MAX_ROWS) walks the output columns in tiles of at
+most TILE_ELEMS weight elements, each tile a dynamic-slice of the stack that stays in cache until
+its dot reads it, instead of one copy of the whole matrix; elsewhere a LayerSlice is simply w[layer] (what nn.scan would have sliced), so
+accelerator programs are unchanged. The MoE tiled path (pallas_kernels.moe.swiglu_experts_tiled)
+reads w[layer, expert] from the stack through `expert_matmul` (one expert's matrix per tile, never
+the layer's whole expert stack).
+
+Same params, same values; per output element the same dot (the tiles split columns, never the
+contraction).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.models import quant
+
+# At most this many weight elements per in-place column tile (1 MiB of fp32: an L2-sized piece).
+TILE_ELEMS = 1 << 18
+# Column tiles only for matmuls of at most this many rows (window forwards): with more rows the GEMM
+# amortises one copy of the matrix, and narrow tiles made the 7B-A1B full refresh (192 rows) ~7%
+# slower on the project's 2-core box (bench/RESULTS.md, issue 19 item 2).
+TILE_MAX_ROWS = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSlice:
+    """Layer `layer` of a layer-stacked weight (a plain array or a quant.QuantizedWeight), not yet
+    sliced. `in_place`: matmuls read it from the stack in column tiles (else they slice it first)."""
+    stack: Any
+    layer: jax.Array
+    in_place: bool = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return self.stack.dtype if not isinstance(self.stack, quant.QuantizedWeight) else self.stack.q.dtype
+
+    def get(self):
+        """The slice itself (a copy on XLA:CPU)."""
+        return index(self.stack, self.layer)
+
+    def __rmatmul__(self, x):
+        return matmul(x, self)
+
+
+def index(stack, i):
+    """stack[i] along the leading axis, for an array or a QuantizedWeight (all its leaves)."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
+
+
+def resolve(w):
+    """A LayerSlice's slice; anything else unchanged."""
+    return w.get() if isinstance(w, LayerSlice) else w
+
+
+def _column_tile(K: int, N: int) -> int:
+    """Columns per in-place tile: the largest divisor of N that is a multiple of 128 with
+    K * tile <= TILE_ELEMS, else the smallest such divisor (a tall matrix); 0 when the whole
+    matrix fits in one tile or N has no such divisor (then the matrix is sliced whole)."""
+    if K * N <= TILE_ELEMS:
+        return 0
+    divisors = [t for t in range(128, N, 128) if N % t == 0]
+    fitting = [t for t in divisors if K * t <= TILE_ELEMS]
+    return max(fitting) if fitting else min(divisors, default=0)
+
+
+def matmul_in_place(x_MK, stack, idx: tuple, K: int, N: int):
+    """x_MK @ stack[idx] (a (K, N) matrix after the leading indices idx; its trailing dims are
+    reshaped to (K, N) for free) without copying the whole matrix: column tiles, one dot each
+    (for at most TILE_MAX_ROWS rows; else one slice of the matrix, then one dot)."""
+    lead = len(idx)
+    w = stack.reshape(stack.shape[:lead] + (K, N))
+    tn = _column_tile(K, N)
+    if not tn or x_MK.shape[0] > TILE_MAX_ROWS:
+        return x_MK @ w[idx]
+    starts = tuple(jnp.asarray(i, jnp.int32) for i in idx)
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(j, y):
+        tile = jax.lax.dynamic_slice(w, starts + (zero, j * tn), (1,) * lead + (K, tn)).reshape(K, tn)
+        return jax.lax.dynamic_update_slice_in_dim(y, x_MK @ tile, j * tn, axis=1)
+    return jax.lax.fori_loop(0, N // tn, body, jnp.zeros((x_MK.shape[0], N), x_MK.dtype))
+
+
+def matmul(x, w, n_in: int = 1):
+    """x (..., in...) contracted with w's first n_in dims -> (..., out...), for a plain array, a
+    QuantizedWeight (quant.matmul) or a LayerSlice of either."""
+    if not isinstance(w, LayerSlice):
+        if isinstance(w, quant.QuantizedWeight):
+            return quant.matmul(x, w)
+        K = math.prod(w.shape[:n_in])
+        return (x.reshape(x.shape[:x.ndim - n_in] + (K,)) @ w.reshape(K, -1)).reshape(
+            x.shape[:x.ndim - n_in] + tuple(w.shape[n_in:]))
+    if not w.in_place or isinstance(w.stack, quant.QuantizedWeight):
+        return matmul(x, w.get(), n_in)
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    K, N = math.prod(in_shape), math.prod(out_shape)
+    y = matmul_in_place(x.reshape(-1, K), w.stack, (w.layer,), K, N)
+    return y.reshape(x.shape[:x.ndim - n_in] + tuple(out_shape))
+
+
+def einsum(spec: str, x, w):
+    """quant.einsum for a LayerSlice too: spec must contract x's trailing dims with w's leading
+    dims in order (e.g. "bsnh,nhd->bsd")."""
+    if not isinstance(w, LayerSlice):
+        return quant.einsum(spec, x, w)
+    if not w.in_place or isinstance(w.stack, quant.QuantizedWeight):
+        return quant.einsum(spec, x, w.get())
+    ins, _ = spec.split("->")
+    xs, ws = ins.split(",")
+    n_in = len([c for c in ws if c in xs])
+    return matmul(x, w, n_in)
+
+
+def expert_matmul(rows, w, e):
+    """rows @ w[e] for an expert stack w (E, D, F): a plain array, a QuantizedWeight, or a
+    LayerSlice of a layer-stacked one, whose tile reads w[layer, e] straight from the stack: XLA
+    copies that one expert's matrix (contiguous) before the dot, never the layer's whole stack.
+    Column tiles of an expert (matmul_in_place) measured slower at 7B-A1B widths on an idle
+    2-core box (bench/RESULTS.md, issue 19 item 2): strided 1 MiB copies + N=128 GEMMs."""
+    if isinstance(w, LayerSlice):
+        return rows @ w.stack[w.layer, e]
+    return rows @ w[e]
+
+
+def reads_in_place(platform: str | None, mesh) -> bool:
+    """Whether layer weights are read from the stack in place: one CPU device (the compile
+    target, None = jax.default_backend())."""
+    from pallas_kernels.attention import target_platform
+    return target_platform(platform) == "cpu" and (mesh is None or mesh.size == 1)
+
+
+def _is_matmul_weight(path) -> bool:
+    keys = "/".join(str(getattr(k, "key", k)) for k in path)
+    return quant.quant_dims(keys) is not None
+
+
+def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None, mesh=None):
+    """lax.scan over the layer stack: (carry, ys_i) = fn(params_i, carry, xs_i) for each layer i,
+    params_i holding its matmul weights as LayerSlices (module doc) and its other params sliced.
+    fn typically applies an unbound Flax layer: module.apply({"params": params_i}, ...).
+    Returns (carry, ys stacked over layers)."""
+    in_place = reads_in_place(platform, mesh)
+    n = jax.tree_util.tree_leaves(stacked_params)[0].shape[0]
+
+    def body(c, inp):
+        i, x_i = inp
+        p_i = jax.tree_util.tree_map_with_path(
+            lambda path, w: LayerSlice(w, i, in_place) if _is_matmul_weight(path) else index(w, i),
+            stacked_params, is_leaf=lambda v: isinstance(v, quant.QuantizedWeight))
+        return fn(p_i, c, x_i)
+    return jax.lax.scan(body, carry, (jnp.arange(n), xs))
