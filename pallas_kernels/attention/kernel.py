@@ -259,6 +259,20 @@ def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_
     block_sizes.validate()
 
 
+def _mask_inputs(key_mask_BL, q_pos_BS, k_pos_BL, block_size, B, S, L, S_pad, L_pad):
+    """The kernels' small mask inputs (module doc): qblk (B, S_pad) query block ids (0 when not
+    block-causal) and kinfo (B, 2, L_pad): row 0 key block ids, row 1 1 valid / 0 masked / -1 padding."""
+    valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
+    valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
+    if block_size:
+        qblk = (q_pos_BS.astype(jnp.int32) // block_size)
+        kblk = (k_pos_BL.astype(jnp.int32) // block_size)
+    else:
+        qblk, kblk = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, L), jnp.int32)
+    qblk = jnp.pad(qblk, ((0, 0), (0, S_pad - S)))
+    return qblk, jnp.stack([jnp.pad(kblk, ((0, 0), (0, L_pad - L))), valid], axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "block_sizes", "backend", "interpret",
                                              "poison_output"))
 def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_BL=None, block_size: int = 0,
@@ -300,15 +314,8 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
     # The cache (large): a free reshape (the partial last tile is masked in-kernel).
     k = k_BLKH.reshape(B, k_BLKH.shape[1], K * H)
     v = v_BLKH.reshape(B, v_BLKH.shape[1], K * H)
-    valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
-    valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
-    if block_size:
-        qblk = (q_pos_BS.astype(jnp.int32) // block_size)
-        kblk = (k_pos_BL.astype(jnp.int32) // block_size)
-    else:
-        qblk, kblk = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, L), jnp.int32)
-    qblk = jnp.pad(qblk, ((0, 0), (0, S_pad - S)))[:, :, None]  # (B, S_pad, 1)
-    kinfo = jnp.stack([jnp.pad(kblk, ((0, 0), (0, L_pad - L))), valid], axis=1)  # (B, 2, L_pad)
+    qblk, kinfo = _mask_inputs(key_mask_BL, q_pos_BS, k_pos_BL, block_size, B, S, L, S_pad, L_pad)
+    qblk = qblk[:, :, None]  # (B, S_pad, 1)
 
     out_shape = jax.ShapeDtypeStruct((B, K // P, G, S_pad, W), q_BSNH.dtype)
     args = [q, k, v, qblk, kinfo]
@@ -356,16 +363,8 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
     q = q.reshape(B, nq, bq, K, G, H).transpose(0, 3, 1, 4, 2, 5).reshape(B, K, nq, R, H)
     k = jnp.pad(k_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0))).reshape(B, L_pad, K * H)
     v = jnp.pad(v_BLKH, ((0, 0), (0, L_pad - L), (0, 0), (0, 0))).reshape(B, L_pad, K * H)
-    valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
-    valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
-    if block_size:
-        qblk = (q_pos_BS.astype(jnp.int32) // block_size)
-        kblk = (k_pos_BL.astype(jnp.int32) // block_size)
-    else:
-        qblk, kblk = jnp.zeros((B, S), jnp.int32), jnp.zeros((B, L), jnp.int32)
-    qblk = jnp.pad(qblk, ((0, 0), (0, S_pad - S))).reshape(B, nq, 1, bq)
-    qblk = jnp.broadcast_to(qblk, (B, nq, G, bq)).reshape(B, nq, R, 1)  # the same rows as q's tiles
-    kinfo = jnp.stack([jnp.pad(kblk, ((0, 0), (0, L_pad - L))), valid], axis=1)  # (B, 2, L_pad)
+    qblk, kinfo = _mask_inputs(key_mask_BL, q_pos_BS, k_pos_BL, block_size, B, S, L, S_pad, L_pad)
+    qblk = jnp.broadcast_to(qblk.reshape(B, nq, 1, bq), (B, nq, G, bq)).reshape(B, nq, R, 1)  # q's tile rows
 
     from jax.experimental.pallas import triton as pltriton
     out_shape = jax.ShapeDtypeStruct((B, K, nq, R, H), q_BSNH.dtype)
