@@ -259,6 +259,14 @@ def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_
     block_sizes.validate()
 
 
+def _poison(in_specs: list, args: list, out_spec, out_shape) -> dict:
+    """Tests' poison_output: append a NaN buffer as an input aliased to the output (so a tile the
+    kernel fails to write stays NaN); returns pallas_call's input_output_aliases."""
+    in_specs.append(out_spec)
+    args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    return {len(args) - 1: 0}
+
+
 def _mask_inputs(key_mask_BL, q_pos_BS, k_pos_BL, block_size, B, S, L, S_pad, L_pad):
     """The kernels' small mask inputs (module doc): qblk (B, S_pad) query block ids (0 when not
     block-causal) and kinfo (B, 2, L_pad): row 0 key block ids, row 1 1 valid / 0 masked / -1 padding."""
@@ -329,11 +337,7 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
     scratch = [pltpu.VMEM((G * P, bq, 1), jnp.float32), pltpu.VMEM((G * P, bq, 1), jnp.float32),
                pltpu.VMEM((G, bq, W), jnp.float32)]
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-    aliases = {}
-    if poison_output:
-        in_specs.append(q_spec)
-        args.append(jnp.full(out_shape.shape, jnp.nan, q_BSNH.dtype))
-        aliases = {len(args) - 1: 0}
+    aliases = _poison(in_specs, args, q_spec, out_shape) if poison_output else {}
     out = pl.pallas_call(
         kernel,
         grid_spec=pl.GridSpec(grid=grid, in_specs=in_specs, out_specs=q_spec, scratch_shapes=scratch),
@@ -373,11 +377,7 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, None, R, 1), lambda b, j, i: (b, i, 0, 0)),
                 pl.BlockSpec((None, 2, L_pad), lambda b, j, i: (b, 0, 0))]
     args = [q, k, v, qblk, kinfo]
-    aliases = {}
-    if poison_output:
-        in_specs.append(q_spec)
-        args.append(jnp.full(out_shape.shape, jnp.nan, q_BSNH.dtype))
-        aliases = {len(args) - 1: 0}
+    aliases = _poison(in_specs, args, q_spec, out_shape) if poison_output else {}
     out = pl.pallas_call(
         functools.partial(_gpu_kernel, scale=scale, bkv=bkv, num_kv_blocks=L_pad // bkv),
         grid_spec=pl.GridSpec(grid=(B, K, nq), in_specs=in_specs, out_specs=q_spec),
