@@ -21,51 +21,26 @@ logits (tests/test_dream.py checks ours against it).
 from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
-from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
+from dinfer_jax.config import ConfigError, ModelConfig
 from dinfer_jax.families import CHATML_TEMPLATE, Family
+from dinfer_jax.families.qwen2_config import qwen2_fields, read_qwen2
 
 # Qwen2.5 tokenizer ids (§13.1): <|mask|> 151666; <|endoftext|> 151643 = eos = pad = bos.
 DEFAULT_IDS = dict(mask_token_id=151666, eos_token_id=151643, pad_token_id=151643, eot_token_id=None)
 
 
 def read_config(hf, ids_for_vocab, where) -> ModelConfig:
-    if hf.get("use_sliding_window"):
-        raise ConfigError(f"{where}: use_sliding_window=true is not supported (Dream attends the whole canvas)")
     if hf.get("use_mrope"):
         raise ConfigError(f"{where}: use_mrope=true (multimodal RoPE) is not supported")
-    rs = hf.get("rope_scaling") or {}
-    if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
-        raise ConfigError(f"{where}: rope_scaling={hf['rope_scaling']} is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
-    D = int(need(hf, "hidden_size", where=where))
-    N = int(need(hf, "num_attention_heads", where=where))
-    V = int(need(hf, "vocab_size", where=where))
-    return ModelConfig(
-        family="dream", vocab_size=V, hidden_size=D, num_layers=int(need(hf, "num_hidden_layers", where=where)),
-        num_heads=N, num_kv_heads=int(hf.get("num_key_value_heads") or N), head_dim=int(hf.get("head_dim") or D // N),
-        intermediate_size=int(need(hf, "intermediate_size", where=where)), rope_theta=rope_theta(hf, 1000000.0),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=True, logit_shift=1,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)), **ids_for_vocab(V))
+    return read_qwen2(hf, ids_for_vocab, where, max_position_default=131072,
+                      sliding_window_note=" (Dream attends the whole canvas)", family="dream")
 
 
 def write_config(cfg: ModelConfig) -> dict:
-    if not (cfg.qkv_bias and cfg.logit_shift == 1 and cfg.rotary == cfg.head_dim and not cfg.qk_norm
-            and not cfg.is_moe and cfg.attention_mask == "full"):
-        raise ConfigError("a dream config needs qkv_bias, logit_shift=1, full rotary, no qk_norm, dense MLP, "
-                          "full attention (the DreamModel architecture)")
     return dict(
         architectures=["DreamModel"], model_type="Dream",
         auto_map={"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        hidden_act="silu", vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        rope_scaling=None, tie_word_embeddings=cfg.tie_word_embeddings,
-        max_position_embeddings=cfg.max_position_embeddings, use_cache=False, use_sliding_window=False,
-        sliding_window=None, max_window_layers=cfg.num_layers, attention_dropout=0.0,
-        mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-        bos_token_id=cfg.eos_token_id)
+        **qwen2_fields(cfg, "dream", "full", "DreamModel"), bos_token_id=cfg.eos_token_id)
 
 
 def weights(cfg: ModelConfig) -> list[Entry]:

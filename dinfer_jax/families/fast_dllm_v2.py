@@ -82,8 +82,9 @@ embeddings, D 1536, 28 layers, 12 / 2 heads, F 8960); max_position_embeddings 32
 from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
-from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
+from dinfer_jax.config import ConfigError, ModelConfig
 from dinfer_jax.families import CHATML_TEMPLATE, Family
+from dinfer_jax.families.qwen2_config import qwen2_fields, read_qwen2
 
 # [F2] generate(): mask_id 151665, stop_token 151645 (<|im_end|>); Qwen2.5 <|endoftext|> 151643 = pad.
 DEFAULT_IDS = dict(mask_token_id=151665, eos_token_id=151645, pad_token_id=151643, eot_token_id=None)
@@ -92,46 +93,19 @@ ARCH = "Fast_dLLM_QwenForCausalLM"
 
 
 def read_config(hf, ids_for_vocab, where) -> ModelConfig:
-    if hf.get("use_sliding_window"):
-        raise ConfigError(f"{where}: use_sliding_window=true is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
-    rs = hf.get("rope_scaling") or {}
-    if rs and rs.get("rope_type", rs.get("type", "default")) not in ("default", None):
-        raise ConfigError(f"{where}: rope_scaling={hf['rope_scaling']} is not supported")
     block = hf.get("bd_size", BLOCK_SIZE)
     if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
         raise ConfigError(f"{where}: bd_size={block!r} must be a positive integer (Fast-dLLM v2's block)")
-    D = int(need(hf, "hidden_size", where=where))
-    N = int(need(hf, "num_attention_heads", where=where))
-    V = int(need(hf, "vocab_size", where=where))
-    return ModelConfig(
-        family="fast_dllm_v2", vocab_size=V, hidden_size=D,
-        num_layers=int(need(hf, "num_hidden_layers", where=where)), num_heads=N,
-        num_kv_heads=int(hf.get("num_key_value_heads") or N), head_dim=int(hf.get("head_dim") or D // N),
-        intermediate_size=int(need(hf, "intermediate_size", where=where)), rope_theta=rope_theta(hf, 1000000.0),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=True, logit_shift=1,
-        attention_mask="block_causal", block_size=block,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)), **ids_for_vocab(V))
+    return read_qwen2(hf, ids_for_vocab, where, max_position_default=32768, family="fast_dllm_v2",
+                      attention_mask="block_causal", block_size=block)
 
 
 def write_config(cfg: ModelConfig) -> dict:
-    if not (cfg.qkv_bias and cfg.logit_shift == 1 and cfg.rotary == cfg.head_dim and not cfg.qk_norm
-            and not cfg.is_moe and cfg.attention_mask == "block_causal"):
-        raise ConfigError("a fast_dllm_v2 config needs qkv_bias, logit_shift=1, full rotary, no qk_norm, dense "
-                          "MLP, block-causal attention (the Fast_dLLM_QwenForCausalLM architecture)")
     out = dict(
         architectures=[ARCH], model_type="Fast_dLLM_Qwen",
         auto_map={"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
                   "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        hidden_act="silu", vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        rope_scaling=None, tie_word_embeddings=cfg.tie_word_embeddings,
-        max_position_embeddings=cfg.max_position_embeddings, use_cache=False, use_sliding_window=False,
-        sliding_window=None, max_window_layers=cfg.num_layers, attention_dropout=0.0, bd_size=cfg.block_size,
-        mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+        **qwen2_fields(cfg, "fast_dllm_v2", "block_causal", ARCH), bd_size=cfg.block_size,
         bos_token_id=cfg.pad_token_id)
     if cfg.eot_token_id is not None:
         out["eot_token_id"] = cfg.eot_token_id
