@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.models import quant
+from dinfer_jax.models import quant, stacked
 from dinfer_jax.models.quant import QuantizedWeight
 
 U32 = 2.0 ** -24
@@ -152,7 +152,8 @@ def test_no_full_precision_weight_is_materialised():
     E, De, Fe = 8, 256, 512
     stack = {k: QuantizedWeight(sds((2,) + s, jnp.int8), sds(quant.scale_shape((2,) + s, "int8", 1, 1), jnp.float32),
                                 "int8", 1, 1) for k, s in (("g", (E, De, Fe)), ("u", (E, De, Fe)), ("d", (E, Fe, De)))}
-    f = lambda x, gs, w: swiglu_experts_tiled(x, gs, w["g"], w["u"], w["d"], layer=1)  # noqa: E731
+    f = lambda x, gs, w: swiglu_experts_tiled(  # noqa: E731
+        x, gs, *(stacked.LayerSlice(w[k], jnp.int32(1), True) for k in "gud"), weight_matmul=stacked.expert_matmul)
     c = jax.jit(f).lower(sds((64, De), jnp.float32), sds((E,), jnp.int32), stack).compile()
     temp = c.memory_analysis().temp_size_in_bytes
     text = c.as_text()

@@ -22,17 +22,16 @@ def tile_rows_for(rows: int, experts: int) -> int:
 
 
 def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int | None = None,
-                         layer=None, weight_matmul=None):
+                         weight_matmul=None):
     """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum to
     at most R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group.
     Rows past sum(group_sizes_E) belong to no group: they are never multiplied and give 0 (the
     expert-parallel path sends the (token, expert) pairs of other shards' experts there).
 
-    layer: a scalar index when the weights are stacked over layers ((L_, E, D, F) / (L_, E, F, D)):
-    each tile then reads w[layer, e] straight from the stack. Passing a layer's (E, D, F) slice
-    instead makes XLA copy the whole slice (every expert of the layer) before the tile loop.
     weight_matmul: (rows, w, e) -> rows @ w[e], replacing the plain indexing (dinfer_jax passes
-    models/stacked.expert_matmul, which reads a layer-stacked expert weight in place)."""
+    models/stacked.expert_matmul, which reads w[layer, e] of a layer-stacked weight straight from the
+    stack; passing a layer's (E, D, F) slice instead makes XLA copy every expert of the layer before
+    the tile loop)."""
     R, D = x_RD.shape
     E = w_gate_EDF.shape[-3]
     m = tile or tile_rows_for(R, E)
@@ -55,7 +54,7 @@ def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, 
     def mm(rows, w, e):
         if weight_matmul is not None:
             return weight_matmul(rows, w, e)
-        return rows @ (w[e] if layer is None else w[layer, e])
+        return rows @ w[e]
 
     def compute(t):
         rows = jax.lax.dynamic_slice_in_dim(buf, t * m, m)
