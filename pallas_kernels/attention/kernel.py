@@ -82,10 +82,8 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def heads_per_block(K: int, H: int, backend: str) -> int:
-    """P: kv heads per cache column block (see module doc)."""
-    if backend == "gpu":
-        return 1
+def heads_per_block(K: int, H: int) -> int:
+    """P: kv heads per cache column block of the TPU body (see module doc; the GPU body uses P = 1)."""
     for p in range(1, K + 1):
         if K % p == 0 and (p * H) % 128 == 0:
             return p
@@ -97,11 +95,9 @@ GPU_NUM_STAGES = 2
 GPU_MAX_ROWS = 128  # R = G * bq query rows per program
 
 
-def tiles(S: int, L: int, block_sizes: BlockSizes, backend: str):
+def tpu_tiles(S: int, L: int, block_sizes: BlockSizes):
     """(bq, bkv, S_pad, L_pad) for the TPU body (see module doc): a cache of L <= block_kv is one
     whole-length tile (legal whatever L is), else block_kv tiles with a partial last one."""
-    if backend == "gpu":
-        raise ValueError("tiles: the GPU body's tiles come from gpu_tiles")
     bq = min(block_sizes.block_q, _round_up(S, 16))
     bkv = min(block_sizes.block_kv, L)
     return bq, bkv, _round_up(S, bq), _round_up(L, bkv)
@@ -312,9 +308,9 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
     if backend == "gpu":
         return _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL, block_size, scale,
                                     block_sizes, interpret, poison_output)
-    P = heads_per_block(K, H, backend)
+    P = heads_per_block(K, H)
     W = P * H
-    bq, bkv, S_pad, L_pad = tiles(S, L, block_sizes, backend)
+    bq, bkv, S_pad, L_pad = tpu_tiles(S, L, block_sizes)
 
     # Queries (small): (B,S,N,H) -> (B, K/P, G, S_pad, W); n = (j*P + p)*G + g.
     q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
