@@ -49,7 +49,7 @@ def build(name):
     c = {**CONFIGS, **BLOCK_CONFIGS}[name]
     cfg = preset(c["preset"]).replace(**c.get("overrides", {}))
     params = init_params(cfg, seed=0)
-    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 40.0
+    params["lm_head"]["unembedding"] = params["lm_head"]["unembedding"] * 40.0
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, cfg.vocab_size - 2, c["prompt"] - i).tolist() for i in range(c["batch"])]
     return Model(cfg, params), prompts, c

@@ -246,8 +246,8 @@ def build_checkpoint(kind: str, head_scale: float, work: str, dtype: str = "floa
     from dinfer_jax.config import to_hf_dict
     cfg = preset("tiny-dense").replace(rope_theta=10000.0, max_position_embeddings=4096, **MODELS[kind])
     params = random_params(cfg, seed=0)
-    params["lm_head/kernel"] *= head_scale
-    params["lm_head/kernel"][:, cfg.mask_token_id] = 0.0  # nobody predicts [MASK]
+    params["lm_head/unembedding"] *= head_scale
+    params["lm_head/unembedding"][cfg.mask_token_id] = 0.0  # nobody predicts [MASK]
     if dtype != "float32":
         import ml_dtypes
         params = {k: v.astype(getattr(ml_dtypes, dtype)) for k, v in params.items()}

@@ -133,7 +133,7 @@ def prepare_checkpoint(args, work: str) -> tuple[str, str]:
         if args.layers:
             cfg = cfg.replace(num_layers=args.layers)
         params = random_params(cfg, seed=0)
-        params["lm_head/kernel"] *= args.head_scale
+        params["lm_head/unembedding"] *= args.head_scale
         dst = os.path.join(work, "ckpt")
         ckpt.save_params(dst, params, to_hf_dict(cfg))
         return dst, (f"random {args.random_preset} ({cfg.num_layers} layers): normal(0, 0.02), norms 1, "

@@ -54,7 +54,7 @@ def random_params(cfg, seed: int = 0, init: str = "bench") -> dict:
         out[k] = ((np.float32(1) + noise) if init == "hf" else np.ones(v.shape, np.float32)) if k.endswith("scale") \
             else noise
     if init == "bench":
-        out["lm_head/kernel"] = out["lm_head/kernel"] * np.float32(40.0)
+        out["lm_head/unembedding"] = out["lm_head/unembedding"] * np.float32(40.0)
     return out
 
 
@@ -95,7 +95,7 @@ def forward_np(cfg, p: dict, ids: np.ndarray, dtype=np.float64) -> np.ndarray:
         gate, up = m @ g("mlp/gate_proj"), m @ g("mlp/up_proj")
         x = x + (gate / (1 + np.exp(-gate)) * up) @ g("mlp/down_proj")
     x = norm(x, f(p["final_norm/scale"]))
-    return x @ f(p["lm_head/kernel"])
+    return x @ f(p["lm_head/unembedding"]).T
 
 
 # ---------------------------------------------------------------------------------------- torch peer
@@ -114,7 +114,7 @@ def torch_model(cfg, p: dict, dtype: str = "float32"):
     model = LlamaForCausalLM(hf).eval()
     D = cfg.hidden_size
     sd = {"model.embed_tokens.weight": p["embed/embedding"], "model.norm.weight": p["final_norm/scale"],
-          "lm_head.weight": p["lm_head/kernel"].T}
+          "lm_head.weight": p["lm_head/unembedding"]}
     for l in range(cfg.num_layers):
         g = lambda name: p[f"layers/{name}"][l]  # noqa: E731
         pre = f"model.layers.{l}."

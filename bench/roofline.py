@@ -372,7 +372,7 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0, head_scale: float = 1.
     def make():
         p = init_params(cfg, seed=seed, dtype=dtype)
         if head_scale != 1.0 and "lm_head" in p:
-            p["lm_head"]["kernel"] = (p["lm_head"]["kernel"].astype(jnp.float32) * head_scale).astype(dtype)
+            p["lm_head"]["unembedding"] = (p["lm_head"]["unembedding"].astype(jnp.float32) * head_scale).astype(dtype)
         return p
     return jax.block_until_ready(make())
 
@@ -472,8 +472,8 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
         fm = jax.jit(lambda p, x: mlp.apply({"params": p}, x))
         out["mlp layer"] = median_time(lambda: fm(layer0["mlp"], x), repeats)
     xg = x[:, :g] if g <= q else jax.random.normal(ks[4], (B, g, D), dtype)
-    head = params["lm_head"]["kernel"] if "lm_head" in params else params["embed"]["embedding"].T
-    fh = jax.jit(lambda xg, s, w: jnp.einsum("bsd,dv->bsv", rms_normalize(xg, s, c.rms_norm_eps), w).astype(jnp.float32))
+    head = params["lm_head"]["unembedding"] if "lm_head" in params else params["embed"]["embedding"]
+    fh = jax.jit(lambda xg, s, w: jnp.einsum("bsd,vd->bsv", rms_normalize(xg, s, c.rms_norm_eps), w).astype(jnp.float32))
     out["lm head"] = median_time(lambda: fh(xg, params["final_norm"]["scale"], head), repeats)
     return out
 

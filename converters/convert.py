@@ -18,7 +18,7 @@ from converters.safetensors_io import write_file
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.config import to_hf_dict
-from dinfer_jax.models.quant import SCALE_SUFFIX, check_kind, quant_dims
+from dinfer_jax.models.quant import SCALE_SUFFIX, check_kind, is_out_first, metadata, quant_dims
 from dinfer_jax.models.quant import quantize as quantize_weight
 
 
@@ -57,10 +57,10 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
                     if dims is None:
                         writer.add(path, layer, arr)
                     else:
-                        qw = quantize_weight(arr, quantize, *dims)
+                        qw = quantize_weight(arr, quantize, *dims, out_first=is_out_first(path))
                         writer.add(path, layer, qw.q)
                         writer.add(path + SCALE_SUFFIX, layer, qw.scale)
-                        quantization[path] = {"kind": quantize, "n_in": dims[0], "n_out": dims[1]}
+                        quantization[path] = metadata(qw)
                 del arr
             writer.finish(hf_config, src, quantization)
     finally:

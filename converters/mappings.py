@@ -124,5 +124,5 @@ def decoder_entries(cfg: ModelConfig) -> list[Entry]:
     else:
         out += [Entry(f"layers/mlp/{p}", L + f"mlp.{p}.weight", ("l",), 1) for p in mlp]
     if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
+        out.append(Entry("lm_head/unembedding", "lm_head.weight"))
     return out

@@ -1,14 +1,18 @@
 """The dinfer-jax checkpoint folder.
 
   config.json            the model's Hugging Face config (ModelConfig is derived from it)
-  dinfer_jax.json        {"format": "dinfer-jax", "version": 1, "params": {path: {shape, dtype}},
-                          "quantization": {path: {"kind": "int8"|"fp8", "n_in", "n_out"}}}
+  dinfer_jax.json        {"format": "dinfer-jax", "version": 2, "params": {path: {shape, dtype}},
+                          "quantization": {path: {"kind": "int8"|"fp8", "n_in", "n_out"[, "out_first"]}}}
                          ("quantization" only in a quantized checkpoint: `path` then holds the
                          int8 / float8_e4m3fn values and `path@scale` their fp32 scales, see
                          models/quant.py; loading packs the two into a QuantizedWeight)
   params/<path>/layer_NNNN/  one orbax checkpoint per layer slab of a layer-stacked parameter
   params/<path>/all/     one orbax checkpoint for an unstacked parameter   ('/' in path -> '.')
   tokenizer files        copied from the source folder when present
+
+Version 1 (before 2026-12-04) stored the LM head as `lm_head/kernel` (D, V); version 2 stores
+`lm_head/unembedding` (V, D) (models/transformer.py). A v1 folder loads as is: its manifest is read
+as v2 and the LM head slab is transposed when read (`read_slab`); `upgrade` rewrites it as v2.
 
 One orbax checkpoint per layer slab lets conversion and export stream (host memory holds one
 layer of one parameter, e.g. one layer's (E, D, F) experts, at a time; orbax copies an array
@@ -26,7 +30,9 @@ import numpy as np
 
 from dinfer_jax.config import ConfigError, ModelConfig, load_hf_config, read_json
 
-FORMAT, VERSION = "dinfer-jax", 1
+FORMAT, VERSION = "dinfer-jax", 2
+# v2 path -> its v1 path; the v1 arrays are the transposes (last two dims) of the v2 ones.
+V1_TRANSPOSED = {"lm_head/unembedding": "lm_head/kernel", "lm_head/unembedding@scale": "lm_head/kernel@scale"}
 MANIFEST = "dinfer_jax.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
@@ -142,11 +148,26 @@ def _slab_dir(folder: str, path: str, layer: int | None) -> str:
                         "all" if layer is None else f"layer_{layer:04d}")
 
 
+def _v1_as_v2(man: dict) -> dict:
+    """A v1 manifest as v2 (module doc): the LM head entries renamed, their shapes transposed."""
+    old = {v: k for k, v in V1_TRANSPOSED.items()}
+    params = {}
+    for p, spec in man.get("params", {}).items():
+        if p in old and isinstance(spec, dict) and isinstance(spec.get("shape"), list) and len(spec["shape"]) == 2:
+            spec = dict(spec, shape=spec["shape"][::-1])
+        params[old.get(p, p)] = spec
+    quant = {old.get(p, p): (dict(m, out_first=True) if p in old and isinstance(m, dict) else m)
+             for p, m in (man.get("quantization") or {}).items()}
+    return dict(man, version=VERSION, params=params, **({"quantization": quant} if quant else {}))
+
+
 def read_manifest(folder: str) -> dict:
     path = os.path.join(folder, MANIFEST)
     man = read_json(path, "; the checkpoint is damaged, convert it again")
+    if isinstance(man, dict) and man.get("format") == FORMAT and man.get("version") == 1:
+        man = _v1_as_v2(man)
     if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
-        raise ConfigError(f"{path}: not a dinfer-jax v{VERSION} manifest")
+        raise ConfigError(f"{path}: not a dinfer-jax v{VERSION} (or v1) manifest")
     if not isinstance(man.get("params"), dict) or not all(
             isinstance(v, dict) and {"shape", "dtype", "layers"} <= set(v) for v in man["params"].values()):
         raise ConfigError(f"{path}: its \"params\" entry is malformed; the checkpoint is damaged, convert it again")
@@ -158,13 +179,42 @@ def read_manifest(folder: str) -> dict:
     return man
 
 
+def upgrade(folder: str) -> bool:
+    """Rewrite a v1 checkpoint folder as v2 in place (its LM head slabs transposed and renamed, the
+    manifest last). Returns False when the folder is already v2."""
+    path = os.path.join(folder, MANIFEST)
+    raw = read_json(path, "; the checkpoint is damaged, convert it again")
+    if isinstance(raw, dict) and raw.get("version") == VERSION:
+        return False
+    man = read_manifest(folder)
+    for new, old in V1_TRANSPOSED.items():
+        if new in man["params"] and os.path.isdir(_slab_dir(folder, old, None)):
+            d = _slab_dir(folder, new, None)
+            shutil.rmtree(d, ignore_errors=True)  # a half-done earlier upgrade
+            ck = _checkpointer()
+            ck.save(d, {"w": read_slab(folder, new, None)})
+            ck.wait_until_finished()
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(man, f, indent=1)
+    os.replace(tmp, path)
+    for old in V1_TRANSPOSED.values():
+        shutil.rmtree(os.path.dirname(_slab_dir(folder, old, None)), ignore_errors=True)
+    return True
+
+
 def read_config(folder: str) -> ModelConfig:
     return load_hf_config(folder)
 
 
 def read_slab(folder: str, path: str, layer: int | None, sharding=None):
-    """One stored slab: numpy, or a jax.Array restored directly into `sharding`."""
+    """One stored slab: numpy, or a jax.Array restored directly into `sharding` (a v1 LM head slab:
+    read, transposed, then placed)."""
     d = _slab_dir(folder, path, layer)
+    v1 = V1_TRANSPOSED.get(path)
+    if v1 and not os.path.isdir(d) and os.path.isdir(_slab_dir(folder, v1, layer)):
+        arr = np.ascontiguousarray(np.swapaxes(read_slab(folder, v1, layer), -1, -2))
+        return arr if sharding is None else jax.device_put(arr, sharding)
     if sharding is None:
         return np.asarray(_checkpointer().restore(d)["w"])
     meta = _checkpointer().metadata(d)

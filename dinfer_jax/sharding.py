@@ -167,7 +167,7 @@ def param_shardings(cfg, mesh: Mesh, shapes: dict | None = None,
     out = {k: NamedSharding(mesh, logical_spec(axes[k], tuple(shapes[k]), mesh, strict=True, what=k))
            for k in axes}
     for k, m in (quantization or {}).items():
-        s_axes = scale_axes(axes[k], m["kind"], m["n_in"], m["n_out"])
+        s_axes = scale_axes(axes[k], m["kind"], m["n_in"], m["n_out"], bool(m.get("out_first", False)))
         s_shape = tuple(shapes[k + SCALE_SUFFIX])
         out[k + SCALE_SUFFIX] = NamedSharding(mesh, logical_spec(s_axes, s_shape, mesh, what=k + SCALE_SUFFIX))
     return out

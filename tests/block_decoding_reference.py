@@ -72,6 +72,8 @@ def reference_block_generate(model, prompt, p):
             if editing:
                 t2t = [i for i in range(s, e) if i not in active and i >= P
                        and pv[i - s] > p.editing_threshold and v[i - s] != x[i]]
+            if any(v[i - s] == M for i in m2t):  # would never unmask: the test model must not predict it
+                raise AssertionError(f"the test model predicts the mask id at block {b}; pick other weights")
             for i in m2t + t2t:
                 x[i] = v[i - s]
             step += 1

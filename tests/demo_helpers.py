@@ -22,6 +22,12 @@ def peaky_random_params(cfg, seed: int = 11):
     from dinfer_jax.models import init_params
     rng = np.random.default_rng(seed)
     shapes = jax.eval_shape(lambda: init_params(cfg, seed=seed))
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray((1.0 + 0.1 * rng.standard_normal(a.shape)) if "norm" in jax.tree_util.keystr(path)
-                                    else 0.15 * rng.standard_normal(a.shape), a.dtype), shapes)
+
+    def draw(path, a):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return jnp.asarray(1.0 + 0.1 * rng.standard_normal(a.shape), a.dtype)
+        if "unembedding" in name:  # drawn as the (D, V) LM head of checkpoint format v1: the same model as before
+            return jnp.asarray(0.15 * rng.standard_normal(a.shape[::-1]).T, a.dtype)
+        return jnp.asarray(0.15 * rng.standard_normal(a.shape), a.dtype)
+    return jax.tree_util.tree_map_with_path(draw, shapes)

@@ -25,7 +25,7 @@ BASE = SamplingParams(gen_length=16, block_length=8, threshold=0.35, low_thresho
 def model():
     cfg = preset("tiny")
     params = init_params(cfg, seed=0)
-    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 40.0
+    params["lm_head"]["unembedding"] = params["lm_head"]["unembedding"] * 40.0
     return Model(cfg, params)
 
 
@@ -98,8 +98,8 @@ def test_seeded_determinism(model):
 def test_early_stop_at_eos(model):
     cfg = model.config
     params = jax.tree_util.tree_map(lambda a: a, model.params)
-    k = params["lm_head"]["kernel"]
-    params["lm_head"]["kernel"] = k.at[:, cfg.eos_token_id].set(1.5 * k[:, 90])  # EOS wins where 90 would
+    k = params["lm_head"]["unembedding"]
+    params["lm_head"]["unembedding"] = k.at[cfg.eos_token_id].set(1.5 * k[90])  # EOS wins where 90 would
     eos_model = Model(cfg, params)
     p = dataclasses.replace(BASE, gen_length=32, cache="dual")
     stop = generate(eos_model, PROMPTS, p)

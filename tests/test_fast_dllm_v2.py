@@ -186,13 +186,13 @@ def dec_model(case):
     from dinfer_jax.model import Model
     model = case[3]
     params = dict(model.params)
-    head = params["lm_head"]["kernel"].at[:, CFG.mask_token_id].set(0.0)
-    params["lm_head"] = {"kernel": head.at[:, CFG.eos_token_id].set(0.0)}
+    head = params["lm_head"]["unembedding"].at[CFG.mask_token_id].set(0.0)
+    params["lm_head"] = {"unembedding": head.at[CFG.eos_token_id].set(0.0)}
     p = SamplingParams(gen_length=24, block_length=CFG.block_size, cache="block", sub_block_length=SUB)
     out = generate(Model(CFG, params), PROMPTS[:1], p).token_ids[0]
     vals, counts = np.unique(out, return_counts=True)
     j = int(vals[np.argmax(counts)])
-    params["lm_head"] = {"kernel": head.at[:, CFG.eos_token_id].set(1.05 * head[:, j])}
+    params["lm_head"] = {"unembedding": head.at[CFG.eos_token_id].set(1.05 * head[j])}
     return Model(CFG, params)
 
 

@@ -25,7 +25,7 @@ def torch_ref(case, dec_model):  # noqa: F811
     import torch
     ref = copy.deepcopy(case[0])
     with torch.no_grad():
-        ref.lm_head.weight.copy_(torch.as_tensor(np.array(dec_model.params["lm_head"]["kernel"]).T))
+        ref.lm_head.weight.copy_(torch.as_tensor(np.array(dec_model.params["lm_head"]["unembedding"])))
     return ref
 
 

@@ -87,6 +87,39 @@ def test_column_tiles_match_one_tile(kind, monkeypatch):
     np.testing.assert_allclose(tiled, one, rtol=0, atol=1e-5 * np.abs(one).max())
 
 
+@pytest.mark.smoke
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_out_first_weight(kind, monkeypatch):
+    """An out-first (N, K) weight (the LM head's (V, D) table): q and scale are bit for bit the
+    transposes of the in-first quantization of w.T; matmul over it is within fp32 rounding of the
+    float64 product of the dequantized weight, and its row tiles give the one-tile result."""
+    rng = np.random.default_rng(2)
+    N, K = 384, 200  # K not a multiple of 128: padded fp8 blocks along the in dim
+    w = (rng.standard_normal((N, K)) * np.exp(rng.standard_normal((N, 1)))).astype(np.float32)
+    x = rng.standard_normal((2, 3, K)).astype(np.float32)
+    qo, qi = quant.quantize(w, kind, out_first=True), quant.quantize(w.T, kind)
+    assert qo.out_first and qo.shape == (N, K)
+    assert qo.scale.shape == quant.scale_shape((N, K), kind, 1, 1, out_first=True) == qi.scale.shape[::-1]
+    assert np.asarray(qo.q).tobytes() == np.ascontiguousarray(np.asarray(qi.q).T).tobytes()
+    assert np.asarray(qo.scale).tobytes() == np.ascontiguousarray(np.asarray(qi.scale).T).tobytes()
+    assert quant.scale_axes(("vocab", "embed"), kind, 1, 1, out_first=True) == (
+        ("vocab", None) if kind == "int8" else ("vocab", "embed"))
+    qo_j = jax.tree_util.tree_map(jnp.asarray, qo)
+    y = np.asarray(jax.jit(lambda x, w: quant.einsum("bsd,vd->bsv", x, w))(x, qo_j), np.float64)
+    deq = _deq64(qi).T
+    ref, mag = x.astype(np.float64) @ deq.T, np.abs(x.astype(np.float64)) @ np.abs(deq.T)
+    assert np.all(np.abs(y - ref) <= (K + 2) * U32 * mag + 1e-30)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(qo_j), np.float64), deq.astype(np.float32))
+    monkeypatch.setattr(quant, "DEQUANT_TILE_ELEMS", 128 * K)
+    assert quant._column_tile(K, N, 128) == 128
+    tiled = np.asarray(jax.jit(quant.matmul)(x, qo_j), np.float64)
+    np.testing.assert_allclose(tiled, y, rtol=0, atol=1e-6 * np.abs(y).max())
+    with pytest.raises(ValueError, match="one in and one out dim"):
+        quant.quantize(np.ones((4, 4, 4), np.float32), kind, 1, 2, out_first=True)
+    with pytest.raises(ValueError, match="in dim"):
+        quant.matmul(np.ones((2, N), np.float32), qo_j)
+
+
 def _swiglu_ref64(x, groups, wg, wu, wd):
     """Per-row float64 loop: down_e(silu(x gate_e) * (x up_e)) with e = the row's expert."""
     out = np.zeros((x.shape[0], wd.shape[-1]))
@@ -214,7 +247,7 @@ def test_convert_quantize_round_trip_bit_exact(demo, tmp_path, capsys):
         for k, v in src.items():
             got = loaded[k]
             if quant.quant_dims(k):
-                want = quant.quantize(v, kind, *quant.quant_dims(k))
+                want = quant.quantize(v, kind, *quant.quant_dims(k), out_first=quant.is_out_first(k))
                 assert isinstance(got, QuantizedWeight) and got.kind == kind
                 for a, b in ((got.q, want.q), (got.scale, want.scale)):
                     assert a.dtype == b.dtype and a.shape == b.shape

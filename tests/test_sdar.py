@@ -267,22 +267,22 @@ PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14], [60, 61, 62]]
 
 
 def _never_predicts_mask(model):
-    """The same network with an untied LM head whose mask-id column is zero (logit 0): a random tiny
+    """The same network with an untied LM head whose mask-id row is zero (logit 0): a random tiny
     model otherwise sometimes predicts the mask id, which SDAR's generate() does not handle (its
     step loop runs past its schedule); trained SDAR models do not predict <MASK>. (The decoding
     tests compare our loop with the reference on this one model; parity is tested above.)"""
     from dinfer_jax.model import Model
     cfg, params = model.config, dict(model.params)
-    head = params["lm_head"]["kernel"] if "lm_head" in params else params["embed"]["embedding"].T
-    head = head.at[:, cfg.mask_token_id].set(0.0)
-    # Make <|im_end|> (eot) likely somewhere: it takes the LM-head column (x 1.05) of the token the
+    head = params["lm_head"]["unembedding"] if "lm_head" in params else params["embed"]["embedding"]
+    head = head.at[cfg.mask_token_id].set(0.0)
+    # Make <|im_end|> (eot) likely somewhere: it takes the LM-head row (x 1.05) of the token the
     # model predicts second most often over a masked canvas, so the end-of-turn stop is exercised.
     canvas = np.array([PROMPTS[0] + [cfg.mask_token_id] * 16])
     pred = model.logits(canvas)[0, len(PROMPTS[0]):].argmax(-1)
     vals, counts = np.unique(pred[pred != cfg.mask_token_id], return_counts=True)
     j = int(vals[np.argsort(-counts, kind="stable")[min(1, len(vals) - 1)]])
-    head = head.at[:, cfg.eot_token_id].set(1.05 * head[:, j])
-    params["lm_head"] = {"kernel": head}
+    head = head.at[cfg.eot_token_id].set(1.05 * head[j])
+    params["lm_head"] = {"unembedding": head}
     return Model(cfg.replace(tie_word_embeddings=False), params)
 
 

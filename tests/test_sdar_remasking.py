@@ -27,7 +27,7 @@ def model():
     """tiny-sdar (block 4) with random weights, its attention and MLP projections x 20 (so the
     context, not only the position's own token, decides the prediction: the decoding order matters)
     and an untied LM head = 40 x the embedding (entropies from ~0 to ~1.5 nats: a bound then commits
-    1, 2 or more masks); the mask id's column is 0 (logit 0): this model never predicts <MASK>, as
+    1, 2 or more masks); the mask id's row is 0 (logit 0): this model never predicts <MASK>, as
     trained SDAR models."""
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
@@ -35,8 +35,8 @@ def model():
     params = dict(init_params(cfg, seed=3))
     params["layers"] = jax.tree_util.tree_map_with_path(
         lambda path, w: w * 20.0 if str(path[-1].key).endswith("_proj") else w, params["layers"])
-    head = (params["embed"]["embedding"].T * 40.0).at[:, cfg.mask_token_id].set(0.0)
-    return Model(cfg.replace(tie_word_embeddings=False), {**params, "lm_head": {"kernel": head}})
+    head = (params["embed"]["embedding"] * 40.0).at[cfg.mask_token_id].set(0.0)
+    return Model(cfg.replace(tie_word_embeddings=False), {**params, "lm_head": {"unembedding": head}})
 
 
 _FWD = {}

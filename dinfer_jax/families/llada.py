@@ -57,7 +57,7 @@ def weights(cfg: ModelConfig) -> list[Entry]:
         Entry("layers/mlp/down_proj", B + "ff_out.weight", ("l",), 1),
     ]
     if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "model.transformer.ff_out.weight", (), 1))
+        out.append(Entry("lm_head/unembedding", "model.transformer.ff_out.weight"))
     return out
 
 

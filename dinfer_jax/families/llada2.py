@@ -124,7 +124,7 @@ def weights(cfg: ModelConfig) -> list[Entry]:
         out += [Entry(f"layers/mlp/shared/{p}", L + f"mlp.shared_experts.{p}.weight", ("l",), 1, k0)
                 for p in ("gate_proj", "up_proj", "down_proj")]
     if not cfg.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", "lm_head.weight", (), 1))
+        out.append(Entry("lm_head/unembedding", "lm_head.weight"))
     return out
 
 

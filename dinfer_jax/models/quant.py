@@ -13,6 +13,9 @@ a leading L_) is stored as
 A zero channel / block gets scale 1 (q = 0). `kind`, `n_in` (number of in dims) and `n_out`
 (number of out dims) are static pytree metadata, so slicing lead dims (nn.scan over layers,
 w[layer, e] in the expert loops) keeps a valid QuantizedWeight.
+`out_first` (static; n_in = n_out = 1 only): the weight is stored (lead..., out, in), like the LM
+head's (V, D) unembedding table; q and scale are then exactly the transposes (last two dims) of
+the in-first q and scale of the transposed weight, and matmul dequantizes tiles of rows.
 
 `matmul(x, w)` contracts x's last n_in dims with w's in dims: y = x (..., in...) -> (..., out...).
 The dequantization happens INSIDE the matmul, one tile of output columns at a time (at most
@@ -56,6 +59,7 @@ class QuantizedWeight:
     kind: str = dataclasses.field(metadata=dict(static=True))
     n_in: int = dataclasses.field(metadata=dict(static=True))
     n_out: int = dataclasses.field(metadata=dict(static=True))
+    out_first: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -74,15 +78,28 @@ class QuantizedWeight:
         n = len(idx) if isinstance(idx, tuple) else 1
         if n > self.n_lead:
             raise IndexError(f"QuantizedWeight: can only index its {self.n_lead} lead dims, got {n} indices")
-        return QuantizedWeight(self.q[idx], self.scale[idx], self.kind, self.n_in, self.n_out)
+        return QuantizedWeight(self.q[idx], self.scale[idx], self.kind, self.n_in, self.n_out, self.out_first)
 
     def __rmatmul__(self, x):
         """x @ w for a weight with one in dim (the MLP and expert tiles use `@`)."""
         return matmul(x, self)
 
 
-def scale_shape(shape, kind: str, n_in: int, n_out: int) -> tuple:
+def _check_out_first(n_in: int, n_out: int):
+    if (n_in, n_out) != (1, 1):
+        raise ValueError(f"an out-first (lead..., out, in) weight has one in and one out dim, got n_in={n_in}, "
+                         f"n_out={n_out}")
+
+
+def _swap_last2(t: tuple) -> tuple:
+    return tuple(t[:-2]) + (t[-1], t[-2])
+
+
+def scale_shape(shape, kind: str, n_in: int, n_out: int, out_first: bool = False) -> tuple:
     """The fp32 scale's shape for a weight of `shape` (module doc)."""
+    if out_first:
+        _check_out_first(n_in, n_out)
+        return _swap_last2(scale_shape(_swap_last2(tuple(shape)), kind, 1, 1))
     lead = len(shape) - n_in - n_out
     if kind == "int8":
         return tuple(shape[:lead]) + (1,) * n_in + tuple(shape[lead + n_in:])
@@ -90,21 +107,31 @@ def scale_shape(shape, kind: str, n_in: int, n_out: int) -> tuple:
     return tuple(shape[:lead]) + (-(-K // BLOCK), -(-N // BLOCK))
 
 
-def scale_axes(axes: tuple, kind: str, n_in: int, n_out: int) -> tuple:
+def scale_axes(axes: tuple, kind: str, n_in: int, n_out: int, out_first: bool = False) -> tuple:
     """Logical axes of the scale leaf from the weight's: int8 keeps the lead and out axes (the in
     dims have size 1); fp8 keeps the lead axes and names its two block dims after the first in and
     first out axis (a shard of whole blocks follows the weight's split of those dims)."""
+    if out_first:
+        _check_out_first(n_in, n_out)
+        return _swap_last2(scale_axes(_swap_last2(tuple(axes)), kind, 1, 1))
     lead = len(axes) - n_in - n_out
     if kind == "int8":
         return tuple(axes[:lead]) + (None,) * n_in + tuple(axes[lead + n_in:])
     return tuple(axes[:lead]) + (axes[lead], axes[lead + n_in])
 
 
-def quantize(w, kind: str, n_in: int = 1, n_out: int = 1) -> QuantizedWeight:
+def quantize(w, kind: str, n_in: int = 1, n_out: int = 1, out_first: bool = False) -> QuantizedWeight:
     """A float weight (numpy or jax, any float dtype) -> QuantizedWeight with numpy leaves, computed
     in fp32 on the host (deterministic: the converter and tests get the same bits)."""
     check_kind(kind)
     w = np.asarray(w, dtype=np.float32)
+    if out_first:
+        _check_out_first(n_in, n_out)
+        if w.ndim < 2:
+            raise ValueError(f"quantize: an out-first weight needs 2 dims, got shape {w.shape}")
+        t = quantize(np.swapaxes(w, -1, -2), kind)
+        return QuantizedWeight(np.ascontiguousarray(np.swapaxes(t.q, -1, -2)),
+                               np.ascontiguousarray(np.swapaxes(t.scale, -1, -2)), kind, 1, 1, True)
     if n_in < 1 or n_out < 1 or w.ndim < n_in + n_out:
         raise ValueError(f"quantize: weight of shape {w.shape} cannot have n_in={n_in}, n_out={n_out}")
     lead = w.ndim - n_in - n_out
@@ -132,6 +159,9 @@ def _expand_np(scale, K, N):
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     """The whole weight in `dtype` (tests and references; the layers never call this)."""
+    if w.out_first:
+        t = QuantizedWeight(jnp.swapaxes(w.q, -1, -2), jnp.swapaxes(w.scale, -1, -2), w.kind, 1, 1)
+        return jnp.swapaxes(dequantize(t, dtype), -1, -2)
     lead = w.ndim - w.n_in - w.n_out
     if w.kind == "int8":
         return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
@@ -176,6 +206,8 @@ def matmul(x, w, precision=None):
         return jnp.matmul(x, w, precision=precision)
     if w.n_lead:
         raise ValueError(f"matmul: index the {w.n_lead} lead dims of a {w.shape} QuantizedWeight first")
+    if w.out_first:
+        return _matmul_out_first(x, w, precision)
     in_shape, out_shape = w.shape[:w.n_in], w.shape[w.n_in:]
     if tuple(x.shape[x.ndim - w.n_in:]) != tuple(in_shape):
         raise ValueError(f"matmul: x {x.shape} does not end with the weight's in dims {in_shape}")
@@ -203,9 +235,41 @@ def matmul(x, w, precision=None):
     return y_MN.reshape(x.shape[:x.ndim - w.n_in] + tuple(out_shape))
 
 
+def _matmul_out_first(x, w: QuantizedWeight, precision=None):
+    """x (..., K) contracted with an out-first (N, K) QuantizedWeight -> (..., N), one tile of
+    rows (contiguous in q) dequantized at a time: y_tile = x @ w_tile.T."""
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"matmul: x {x.shape} does not end with the out-first weight's in dim {K}")
+    x_MK = x.reshape(-1, K)
+    q_NK = w.q if w.kind == "int8" else jax.lax.bitcast_convert_type(w.q, jnp.uint8)  # as in matmul
+    tn = _column_tile(K, N, BLOCK if w.kind == "fp8" else 1)
+    dt = x.dtype
+
+    def tile(start, n):
+        q_t = jax.lax.dynamic_slice_in_dim(q_NK, start, n, axis=0)
+        if w.kind == "int8":
+            s_t = jax.lax.dynamic_slice_in_dim(w.scale, start, n, axis=0)  # (n, 1)
+            y = jnp.matmul(x_MK, q_t.astype(dt).T, precision=precision)
+            return (y * s_t[:, 0]).astype(dt)
+        q_t = jax.lax.bitcast_convert_type(q_t, jnp.float8_e4m3fn).astype(jnp.float32)
+        s_t = jax.lax.dynamic_slice_in_dim(w.scale, start // BLOCK, -(-n // BLOCK), axis=0)  # (n/128, K/128)
+        s_full = jnp.repeat(jnp.repeat(s_t, BLOCK, axis=0)[:n], BLOCK, axis=1)[:, :K]
+        return jnp.matmul(x_MK, (q_t * s_full).astype(dt).T, precision=precision)
+
+    if tn == N:
+        y_MN = tile(0, N)
+    else:
+        def body(j, y):
+            return jax.lax.dynamic_update_slice_in_dim(y, tile(j * tn, tn), j * tn, axis=1)
+        y_MN = jax.lax.fori_loop(0, N // tn, body, jnp.zeros((x_MK.shape[0], N), dt))
+    return y_MN.reshape(x.shape[:-1] + (N,))
+
+
 def einsum(spec: str, x, w):
     """jnp.einsum(spec, x, w) for a plain w; `matmul(x, w)` for a QuantizedWeight. spec must
-    contract x's trailing dims with w's leading dims in order (e.g. "bsnh,nhd->bsd")."""
+    contract x's trailing dims with w's leading dims in order (e.g. "bsnh,nhd->bsd"), or, for an
+    out-first weight, x's last dim with w's last (e.g. "bsd,vd->bsv")."""
     if isinstance(w, QuantizedWeight):
         return matmul(x, w)
     return jnp.einsum(spec, x, w)
@@ -217,8 +281,9 @@ QUANTIZED_PARAMS = {
     "attn/q_proj": (1, 2), "attn/k_proj": (1, 2), "attn/v_proj": (1, 2), "attn/o_proj": (2, 1),
     "mlp/gate_proj": (1, 1), "mlp/up_proj": (1, 1), "mlp/down_proj": (1, 1),
     "shared/gate_proj": (1, 1), "shared/up_proj": (1, 1), "shared/down_proj": (1, 1),
-    "lm_head/kernel": (1, 1),
+    "lm_head/unembedding": (1, 1),
 }
+OUT_FIRST_PARAMS = ("lm_head/unembedding",)  # stored (out, in): the (V, D) LM head
 SCALE_SUFFIX = "@scale"  # flat path of a quantized param's scale leaf: "<path>@scale"
 
 
@@ -230,9 +295,14 @@ def quant_dims(path: str):
     return None
 
 
+def is_out_first(path: str) -> bool:
+    """Whether the '/'-joined param path is stored (out, in) (OUT_FIRST_PARAMS)."""
+    return any(path == s or path.endswith("/" + s) for s in OUT_FIRST_PARAMS)
+
+
 def quantize_flat(flat: dict, kind: str) -> tuple[dict, dict]:
     """Flat {path: float array} -> (flat {path: q, path@scale: scale, other paths unchanged},
-    {path: {"kind", "n_in", "n_out"}} metadata for the quantized ones)."""
+    {path: {"kind", "n_in", "n_out"[, "out_first"]}} metadata for the quantized ones)."""
     check_kind(kind)
     out, meta = {}, {}
     for path, arr in flat.items():
@@ -240,10 +310,16 @@ def quantize_flat(flat: dict, kind: str) -> tuple[dict, dict]:
         if dims is None:
             out[path] = arr
             continue
-        qw = quantize(arr, kind, *dims)
+        qw = quantize(arr, kind, *dims, out_first=is_out_first(path))
         out[path], out[path + SCALE_SUFFIX] = qw.q, qw.scale
-        meta[path] = {"kind": kind, "n_in": dims[0], "n_out": dims[1]}
+        meta[path] = metadata(qw)
     return out, meta
+
+
+def metadata(w: QuantizedWeight) -> dict:
+    """A quantized param's manifest entry: {"kind", "n_in", "n_out"}, plus "out_first": true
+    for an out-first weight (absent means in-first)."""
+    return {"kind": w.kind, "n_in": w.n_in, "n_out": w.n_out, **({"out_first": True} if w.out_first else {})}
 
 
 def pack_flat(flat: dict, meta: dict) -> dict:
@@ -253,7 +329,7 @@ def pack_flat(flat: dict, meta: dict) -> dict:
         if path not in flat or path + SCALE_SUFFIX not in flat:
             raise ValueError(f"quantized param {path!r}: its values or {SCALE_SUFFIX} leaf is missing")
         out[path] = QuantizedWeight(flat[path], flat[path + SCALE_SUFFIX], check_kind(m["kind"]),
-                                    int(m["n_in"]), int(m["n_out"]))
+                                    int(m["n_in"]), int(m["n_out"]), bool(m.get("out_first", False)))
     return out
 
 
@@ -263,7 +339,7 @@ def unpack_flat(flat: dict) -> tuple[dict, dict]:
     for path, v in flat.items():
         if isinstance(v, QuantizedWeight):
             out[path], out[path + SCALE_SUFFIX] = v.q, v.scale
-            meta[path] = {"kind": v.kind, "n_in": v.n_in, "n_out": v.n_out}
+            meta[path] = metadata(v)
         else:
             out[path] = v
     return out, meta
@@ -277,9 +353,10 @@ def quantize_abstract(flat: dict, kind: str) -> dict:
     out = {}
     for path, a in flat.items():
         dims = quant_dims(path)
+        of = is_out_first(path)
         out[path] = a if dims is None else QuantizedWeight(
             jax.ShapeDtypeStruct(a.shape, qdt, sharding=getattr(a, "sharding", None)),
-            jax.ShapeDtypeStruct(scale_shape(a.shape, kind, *dims), jnp.float32), kind, *dims)
+            jax.ShapeDtypeStruct(scale_shape(a.shape, kind, *dims, out_first=of), jnp.float32), kind, *dims, of)
     return out
 
 
@@ -292,7 +369,8 @@ def spec_like(w, spec):
         return spec
     from jax.sharding import PartitionSpec as P
     parts = tuple(spec) + (None,) * (w.ndim - len(spec))
-    return QuantizedWeight(spec, P(*scale_axes(parts, w.kind, w.n_in, w.n_out)), w.kind, w.n_in, w.n_out)
+    return QuantizedWeight(spec, P(*scale_axes(parts, w.kind, w.n_in, w.n_out, w.out_first)), w.kind, w.n_in,
+                           w.n_out, w.out_first)
 
 
 def expert_matmul(x_TD, w_EDF):

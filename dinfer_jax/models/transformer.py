@@ -22,7 +22,9 @@ Param tree (shapes; L_ = layers):
   layers/mlp/router_bias (L_, E)   (sigmoid_group router)
   layers/mlp/shared/{gate,up}_proj (L_, D, Fs), down_proj (L_, Fs, D)   (shared experts)
   dense_layers/...  (first_k_dense, ...) like layers/, with a dense mlp of dense_intermediate_size
-  final_norm/scale (D)    lm_head/kernel (D, V)   (absent when tie_word_embeddings)
+  final_norm/scale (D)    lm_head/unembedding (V, D)   (absent when tie_word_embeddings; stored
+                          like the embedding table: XLA:CPU reads a (V, D) table at ~2x the
+                          speed of a (D, V) one at 7B-A1B's vocab, bench/RESULTS.md)
 """
 from __future__ import annotations
 
@@ -175,12 +177,12 @@ class Transformer(nn.Module):
 
 
 class LMHead(nn.Module):
-    """x_BSD @ kernel (D, V)."""
+    """logits_BSV = x_BSD @ unembedding (V, D).T (the table is stored out-first, like HF's lm_head.weight)."""
     features_in: int
     vocab: int
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x_BSD):
-        w = param(self, "kernel", (self.features_in, self.vocab), ("embed", "vocab"), self.dtype)
-        return quant.einsum("bsd,dv->bsv", x_BSD, w)
+        w = param(self, "unembedding", (self.vocab, self.features_in), ("vocab", "embed"), self.dtype)
+        return quant.einsum("bsd,vd->bsv", x_BSD, w)
