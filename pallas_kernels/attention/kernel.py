@@ -36,6 +36,13 @@ copies of the K and V tiles in flight; a Hopper SM offers 227 KiB per block (232
 an H200 refused bkv=512, H=128, bf16 with "requested 561152, available 232448"), so bkv is capped
 by GPU_SMEM_BUDGET (see gpu_tiles) and R by 128 rows (registers: the fp32 (R, bkv) score tile and
 (R, H) accumulator).
+kv split (flash-decoding, GPU only): when B*K*nq programs would leave most SMs idle (B=1, S=64,
+16 kv heads: 16 programs on an H200's 132 SMs), the padded kv axis is cut into n_split contiguous
+chunks of whole bkv tiles (gpu_split; GPU_TARGET_PROGRAMS), the grid becomes (B, K, nq, n_split),
+each program runs the same online softmax over its chunk and writes its UNNORMALISED fp32
+accumulator with its running max m and sum l, and plain JAX merges the chunks (_combine_splits:
+weights exp(m_c - max m), fully-masked rows keep the uniform-average rule). Larger grids (B=8 at
+that shape: 128 programs) keep the one-pass kernel unchanged. BlockSizes.kv_splits overrides.
 Interpret mode (interpret=True) runs either body on any platform; that is how CPU tests check it.
 """
 from __future__ import annotations
