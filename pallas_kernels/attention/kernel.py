@@ -112,6 +112,10 @@ H100 SXM) the kernel was measured on. At B=1, S=64, L=4096, 16/16 heads, H=128, 
 (B, K, nq) = (1, 16, 1) ran 16 programs on 132 SMs and took 0.237 ms vs XLA's 0.19 ms; at B=8 (128
 programs) it was 2.65x faster than XLA, so 128 programs is treated as a full grid."""
 GPU_MIN_SPLIT_TILES = 2  # a kv chunk of the split holds at least this many bkv tiles (automatic split)
+# The automatic split applies only to grids of at most target // GPU_SPLIT_MAX_FRACTION programs: the
+# one measured loss to XLA had 16 programs (B 1, 16 kv heads); grids of 64+ programs (B 16 at 16/4
+# heads: 2.66x faster than XLA unsplit) keep the measured kernel until a device times the split there.
+GPU_SPLIT_MAX_FRACTION = 4
 
 
 def tpu_tiles(S: int, L: int, block_sizes: BlockSizes):
@@ -126,7 +130,7 @@ def gpu_split(programs: int, num_kv_blocks: int, kv_splits: int = 0,
               target: int = GPU_TARGET_PROGRAMS) -> tuple[int, int]:
     """(n_split, chunk_blocks): the Triton body's kv split (flash-decoding) for a grid of `programs`
     = B*K*nq programs over num_kv_blocks bkv tiles. Automatic (kv_splits == 0): split only when the
-    grid leaves SMs idle, into n = target // programs chunks (so programs * n <= target: one full
+    grid leaves most SMs idle (programs <= target // GPU_SPLIT_MAX_FRACTION), into n = target // programs chunks (so programs * n <= target: one full
     wave, never a second partial one; B*K*nq >= target/2 gives n = 1, the unsplit kernel), and never
     into chunks of fewer than GPU_MIN_SPLIT_TILES tiles. kv_splits = n forces n chunks (1 = off).
     Chunks are contiguous runs of chunk_blocks = ceil(tiles / n) tiles (the last may be shorter), and
@@ -134,7 +138,8 @@ def gpu_split(programs: int, num_kv_blocks: int, kv_splits: int = 0,
     if kv_splits:
         n = min(kv_splits, num_kv_blocks)
     else:
-        n = max(1, min(target // max(1, programs), num_kv_blocks // GPU_MIN_SPLIT_TILES))
+        small = programs <= target // GPU_SPLIT_MAX_FRACTION
+        n = max(1, min(target // max(1, programs), num_kv_blocks // GPU_MIN_SPLIT_TILES)) if small else 1
     chunk = -(-num_kv_blocks // n)
     return -(-num_kv_blocks // chunk), chunk
 
