@@ -80,6 +80,87 @@ def test_gpu_body_pads_a_query_group_that_is_not_a_power_of_two():
         assert _rel(out, attention_reference(q, k, v, mask, **kw)) <= TOL[jnp.float32], (N, K)
 
 
+# The GPU body's kv split (flash-decoding), forced at small shapes (BlockSizes.kv_splits): grid
+# (B, K, nq, n_split), fp32 partials merged in JAX. 270 keys: a partial last tile (fp32 H 64: 5
+# 64-key tiles in chunks of 2, 2, 1; bf16: 3 128-key tiles in 3 chunks); 600 keys: 5 128-key tiles in
+# 2 chunks of 3 and 2 (a shorter last chunk); the MQA case: row 1 has one valid key (139), so its first chunk (keys 0-127) is all masked, and row
+# 2 has none (the reference's uniform average); block-causal rows see no key at all in later chunks.
+SPLIT_CASES = [
+    # B, S, L, N, K, H, pad, block_size, BlockSizes
+    (2, 13, 270, 4, 2, 64, [0, 9], 8, BlockSizes(8, 128, kv_splits=3)),      # GQA 2, block-causal, odd S, L
+    (1, 24, 600, 8, 2, 32, [5], 32, BlockSizes(16, 128, kv_splits=2)),      # GQA 4:1, unequal chunks
+    (3, 8, 140, 4, 1, 32, [0, 139, 140], 0, BlockSizes(8, 128, kv_splits=2)),  # MQA; masked chunk / row
+]
+
+
+@pytest.mark.parametrize("B,S,L,N,K,H,pad,block_size,bs,dtype", [
+    c + (jnp.float32,) for c in SPLIT_CASES] + [c + (jnp.bfloat16,) for c in SPLIT_CASES[:2]])
+def test_gpu_kv_split_matches_reference(B, S, L, N, K, H, pad, block_size, bs, dtype):
+    from pallas_kernels.attention import kernel as kmod
+    t = kmod.gpu_tiles(S, L, N // K, H, jnp.dtype(dtype).itemsize, bs, B=B, K=K)
+    assert t["n_split"] == min(bs.kv_splits, t["L_pad"] // t["bkv"]) > 1, t
+    q, k, v, mask = _inputs(B * 100 + S + 1, B, S, L, N, K, H, dtype, pad)
+    q_pos, k_pos = _positions(S + 1, B, S, L)
+    kw = dict(q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=block_size)
+    out = flash_attention(q, k, v, mask, **kw, block_sizes=bs, backend="gpu", interpret=True, poison_output=True)
+    ref = attention_reference(q, k, v, mask, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _rel(out, ref) <= TOL[dtype]
+
+
+def test_gpu_kv_split_pads_a_query_group_that_is_not_a_power_of_two():
+    """The split path behind the G = 7 (7/1) and 3 (6/2) group padding, block-causal, 2 chunks."""
+    for seed, (N, K) in enumerate(((6, 2), (7, 1))):
+        q, k, v, mask = _inputs(50 + seed, 2, 13, 150, N, K, 32, jnp.float32, [0, 7])
+        q_pos, k_pos = _positions(seed, 2, 13, 150)
+        kw = dict(q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=8)
+        out = flash_attention(q, k, v, mask, **kw, block_sizes=BlockSizes(8, 128, kv_splits=2), backend="gpu",
+                              interpret=True, poison_output=True)
+        assert out.shape == q.shape
+        assert _rel(out, attention_reference(q, k, v, mask, **kw)) <= TOL[jnp.float32], (N, K)
+
+
+def test_gpu_kv_split_poison_catches_an_unwritten_output(monkeypatch):
+    """Positive control for poison_output on the split path: a kernel that never writes its running
+    sums l (it is handed the m output twice) leaves them NaN, and the merged output shows it."""
+    from pallas_kernels.attention import kernel as kmod
+    B, S, L, N, K, H = 1, 8, 384, 2, 1, 16  # a shape no other test uses (jit cache)
+    q, k, v, mask = _inputs(11, B, S, L, N, K, H, jnp.float32, [3])
+    bs = BlockSizes(8, 128, kv_splits=3)
+    good = flash_attention(q, k, v, mask, block_sizes=bs, backend="gpu", interpret=True, poison_output=True)
+    assert _rel(good, attention_reference(q, k, v, mask)) <= TOL[jnp.float32]
+    orig = kmod._gpu_kernel
+
+    def skip_l(*refs, **kw):
+        orig(*refs[:-1], refs[-2], **kw)  # (..., acc, m, l) -> (..., acc, m, m): l never written
+    monkeypatch.setattr(kmod, "_gpu_kernel", skip_l)
+    bad = flash_attention(q, k, v, mask, block_sizes=bs, scale=0.5, backend="gpu", interpret=True,
+                          poison_output=True)  # scale: a new trace (not the cached `good` one)
+    assert np.isnan(np.asarray(bad)).any()
+
+
+def test_gpu_split_rule():
+    """The split is picked only when B*K*nq programs leave SMs idle: LLaDA-MoE's window (S=64 over
+    L=4096, 16/16 heads, H=128, bf16) gets 8 chunks of 8 tiles at B=1 (16 -> 128 programs of the
+    H200's 132) and none at B=8 (128 programs, where the unsplit kernel beat XLA 2.65x)."""
+    from pallas_kernels.attention import kernel as kmod
+    one = kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512), B=1, K=16)
+    assert (one["n_split"], one["chunk_blocks"], one["bkv"]) == (8, 8, 64)
+    assert kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512), B=8, K=16)["n_split"] == 1
+    # LLaDA2's B 16 window at 16/4 heads (64 programs; measured 2.66x XLA unsplit) is left unsplit
+    assert kmod.gpu_tiles(32, 4096, 4, 128, 2, BlockSizes(64, 512), B=16, K=4)["n_split"] == 1
+    assert kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512, kv_splits=1), B=1, K=16)["n_split"] == 1
+    assert kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512), B=1, K=16, target_programs=16)["n_split"] == 1
+    for programs in (1, 2, 3, 16, 33, 65, 66, 131, 132, 1000):
+        for tiles in (1, 2, 3, 5, 17, 64, 512):
+            n, chunk = kmod.gpu_split(programs, tiles)
+            assert 1 <= n <= tiles and (n - 1) * chunk < tiles <= n * chunk, (programs, tiles)  # no empty chunk
+            assert n == 1 or (programs * n <= kmod.GPU_TARGET_PROGRAMS and chunk >= kmod.GPU_MIN_SPLIT_TILES)
+            small = programs <= kmod.GPU_TARGET_PROGRAMS // kmod.GPU_SPLIT_MAX_FRACTION
+            assert (n > 1) == (small and tiles >= 2 * kmod.GPU_MIN_SPLIT_TILES)
+    assert kmod.gpu_split(16, 17, kv_splits=5) == (5, 4) and kmod.gpu_split(16, 3, kv_splits=8) == (3, 1)
+
+
 def test_gpu_tiles_fit_shared_memory_and_triton_rules():
     """The Triton body's tiles at every shape of the lowering matrix (tests/test_attention_lowering.py)
     and the real models' window / refresh shapes: powers of two, R = G*bq in [16, 128], and the K/V
@@ -115,10 +196,11 @@ def test_fully_masked_rows_give_the_reference_uniform_average():
     kw = dict(q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=16)
     ref = attention_reference(q, k, v, mask, **kw)
     np.testing.assert_allclose(ref, jnp.broadcast_to(v.mean(1)[:, None], ref.shape), rtol=1e-5, atol=1e-6)
-    for backend in ("tpu", "gpu"):
-        out = flash_attention(q, k, v, mask, **kw, block_sizes=BlockSizes(8, 128), backend=backend,
+    for backend, bs in (("tpu", BlockSizes(8, 128)), ("gpu", BlockSizes(8, 128)),
+                        ("gpu", BlockSizes(8, 128, kv_splits=2))):  # the kv split: 2 chunks, each all masked
+        out = flash_attention(q, k, v, mask, **kw, block_sizes=bs, backend=backend,
                               interpret=True, poison_output=True)
-        assert _rel(out, ref) <= 1e-5, backend
+        assert _rel(out, ref) <= 1e-5, (backend, bs)
 
 
 def test_dispatcher_impls_agree():
@@ -155,6 +237,7 @@ def test_auto_and_interpret_follow_the_target_platform(monkeypatch):
     (dict(K=3), "4 query heads is not a multiple of 3 kv heads"),
     (dict(bs=BlockSizes(12, 128)), r"BlockSizes.block_q=12 must be a positive multiple of 8"),
     (dict(bs=BlockSizes(8, 64)), r"BlockSizes.block_kv=64 must be a positive multiple of 128"),
+    (dict(bs=BlockSizes(8, 128, kv_splits=-1)), r"BlockSizes.kv_splits=-1 must be an int >= 0"),
     (dict(block_size=4), r"block-causal attention \(block_size > 0\) needs q_pos_BS and k_pos_BL"),
     (dict(backend="cuda"), r"backend 'cuda' is not one of \('tpu', 'gpu'\)"),
 ])

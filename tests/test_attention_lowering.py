@@ -7,6 +7,8 @@ Matrix (bf16): (N, K, H) in {16/16/128 LLaDA-MoE, 32/32/128 LLaDA-8B, 16/4/128 L
 padded to 8 on Triton)}; window S in {8, 32, 64} (a
 block) and 72 / 200 (vicinity / odd); cache L in {1024, 1088 (not a tile multiple), 4096, 32768};
 masks: key padding, key padding + block-causal (block 32); batch 1 and 16 (L 32k with batch 1).
+The batch-1 windows give the Triton body a small grid, so they lower its kv split (B=1, S=64,
+L=4096 is the shape it was added for; L=1088: 17 tiles in unequal chunks).
 Each lowering is ~0.1 s.
 """
 import contextlib
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.smoke
 
 SDS = jax.ShapeDtypeStruct
 HEADS = [(16, 16, 128), (32, 32, 128), (16, 4, 128), (32, 8, 64), (8, 8, 64), (16, 2, 64), (28, 4, 128)]
-WINDOWS = [(1, 8, 1024), (16, 32, 4096), (1, 64, 1088), (16, 72, 1024), (1, 200, 32768), (1, 64, 32768)]
+WINDOWS = [(1, 8, 1024), (16, 32, 4096), (1, 64, 1088), (16, 72, 1024), (1, 200, 32768), (1, 64, 32768),
+           (1, 64, 4096)]
 
 
 def _export(platform, B, S, L, N, K, H, block_size, block_sizes=BlockSizes()):
@@ -47,6 +50,19 @@ def test_attention_lowers(N, K, H, block_size, platform):
         text = _export(platform, B, S, L, N, K, H, block_size)
         target = MOSAIC_TPU if platform == "tpu" else TRITON
         assert text.count(target) == 1, (B, S, L)
+
+
+@pytest.mark.parametrize("block_size", [0, 32])
+def test_cuda_lowers_the_kv_split_only_for_a_small_grid(block_size):
+    """LLaDA-MoE's window (S=64, L=4096, 16/16 heads, H=128): at B=1 the Triton call writes the split's
+    fp32 partials (B, K, nq, n_split, R, H) = (1, 16, 1, 8, 64, 128) and XLA merges them; at B=8 it
+    writes the bf16 output (8, 16, 1, 64, 128) directly (no split); kv_splits=1 turns the split off."""
+    one = _export("cuda", 1, 64, 4096, 16, 16, 128, block_size)
+    assert one.count(TRITON) == 1 and "tensor<1x16x1x8x64x128xf32>" in one
+    eight = _export("cuda", 8, 64, 4096, 16, 16, 128, block_size)
+    assert eight.count(TRITON) == 1 and "tensor<8x16x1x64x128xbf16>" in eight and "x128xf32>" not in eight
+    off = _export("cuda", 1, 64, 4096, 16, 16, 128, block_size, BlockSizes(kv_splits=1))
+    assert "tensor<1x16x1x64x128xbf16>" in off and "x128xf32>" not in off
 
 
 def test_tpu_rejects_a_block_that_breaks_the_tiling_rule():

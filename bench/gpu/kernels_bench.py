@@ -5,11 +5,14 @@ the XLA reference; MoE expert paths (ragged_dot, tiled scan, dense einsum; the P
   python bench/gpu/kernels_bench.py --tiny     # tiny shapes, runs anywhere (Pallas in interpret mode on CPU)
 
 Prints one JSON line per measurement and a markdown table; medians of --repeats timed calls after
-one warm-up (compile) call.
+one warm-up (compile) call. On a GPU, the Pallas rows record the kernel's kv split (kv_split, from
+gpu_tiles: > 1 on small grids such as B=1, S=64, L=4k), and a shape that splits is timed again with
+the split forced off (impl "pallas_nosplit", BlockSizes.kv_splits=1) for a before/after.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -39,6 +42,8 @@ class Rows(list):
 
 def attention_rows(tiny: bool, repeats: int, all_shapes: bool = False):
     from pallas_kernels.attention import BlockSizes, attention
+    from pallas_kernels.attention.kernel import gpu_tiles
+    on_gpu = jax.default_backend() == "gpu"
     on_accel = jax.default_backend() in ("gpu", "tpu")
     dtype = jnp.bfloat16
     # (B, S, L, N, K, H, block_size): LLaDA-MoE windows over caches up to 32k and its full refresh
@@ -52,9 +57,13 @@ def attention_rows(tiny: bool, repeats: int, all_shapes: bool = False):
               + [(B, 32, 4096, 16, 4, 128, 32) for B in (1, 16)]
               + [(B, 32, 4096, 28, 4, 128, 32) for B in (1, 16)]
               + [(B, 512, 512, 16, 16, 128, 0) for B in (1, 16)])
-    impls = ["xla", "pallas"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
+    base_impls = ["xla", "pallas"] + (["cudnn"] if on_gpu else [])
     rows = Rows()
     for B, S, L, N, K, H, block_size in shapes:
+        block_sizes = BlockSizes(64 if not tiny else 8, 512 if not tiny else 128)
+        G = 1 << (N // K - 1).bit_length()  # the GPU body's (padded) query group
+        kv_split = gpu_tiles(S, L, G, H, jnp.dtype(dtype).itemsize, block_sizes, B=B, K=K)["n_split"]
+        impls = base_impls + (["pallas_nosplit"] if on_gpu and kv_split > 1 else [])
         ks = jax.random.split(jax.random.key(0), 3)
         q = jax.random.normal(ks[0], (B, S, N, H), dtype)
         k = jax.random.normal(ks[1], (B, L, K, H), dtype)
@@ -68,10 +77,10 @@ def attention_rows(tiny: bool, repeats: int, all_shapes: bool = False):
                 q, k, v, m, q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=bsz, impl="xla"))(
                 *(a.astype(jnp.float32) for a in (q, k, v)), mask).astype(jnp.float32)
         for impl in impls:
-            f = jax.jit(lambda q, k, v, m, impl=impl, bsz=block_size: attention(
-                q, k, v, m, q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=bsz, impl=impl,
-                block_sizes=BlockSizes(64 if not tiny else 8, 512 if not tiny else 128),
-                interpret=None if on_accel else True))
+            tiles = dataclasses.replace(block_sizes, kv_splits=1) if impl == "pallas_nosplit" else block_sizes
+            f = jax.jit(lambda q, k, v, m, impl=impl.removesuffix("_nosplit"), bsz=block_size, tiles=tiles:
+                        attention(q, k, v, m, q_pos_BS=q_pos, k_pos_BL=k_pos, block_size=bsz, impl=impl,
+                                  block_sizes=tiles, interpret=None if on_accel else True))
             try:
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(f(q, k, v, mask))
@@ -85,9 +94,11 @@ def attention_rows(tiny: bool, repeats: int, all_shapes: bool = False):
             err = float(jnp.linalg.norm(out32 - ref) / jnp.linalg.norm(ref))
             finite = bool(jnp.all(jnp.isfinite(out32)))
             bytes_moved = 2 * (q.size + 2 * k.size + q.size)
+            split = ({"kv_split": kv_split if impl == "pallas" else 1} if on_gpu and impl.startswith("pallas")
+                     else {})
             rows.append(dict(op="attention", impl=impl, B=B, S=S, L=L, N=N, K=K, H=H, bs=block_size, ms=round(ms, 4),
                              GBps=round(bytes_moved / ms / 1e6, 1), rel_err_vs_fp32=round(err, 5), finite=finite,
-                             compile_s=round(first_s, 2)))
+                             compile_s=round(first_s, 2), **split))
     return rows
 
 
@@ -145,6 +156,7 @@ def main():
         shape = (f"B{r['B']} S{r['S']} L{r['L']} N{r['N']} K{r['K']} H{r['H']} blk{r['bs']}" if r["op"] == "attention"
                  else f"T{r['T']} D{r['D']} F{r['F']} E{r['E']} X{r['X']}")
         note = r.get("error") or (f"{r['GBps']} GB/s, rel err vs fp32 {r['rel_err_vs_fp32']}"
+                                  + (f", kv split {r['kv_split']}" if "kv_split" in r else "")
                                   + ("" if r["finite"] else " NON-FINITE") if r["op"] == "attention"
                                   else f"{r['useful_TFLOPs']} useful TFLOP/s, weights {r['weight_GBps']} GB/s, "
                                        f"rel err vs fp32 {r['rel_err_vs_fp32']}")

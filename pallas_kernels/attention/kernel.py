@@ -36,6 +36,13 @@ copies of the K and V tiles in flight; a Hopper SM offers 227 KiB per block (232
 an H200 refused bkv=512, H=128, bf16 with "requested 561152, available 232448"), so bkv is capped
 by GPU_SMEM_BUDGET (see gpu_tiles) and R by 128 rows (registers: the fp32 (R, bkv) score tile and
 (R, H) accumulator).
+kv split (flash-decoding, GPU only): when B*K*nq programs would leave most SMs idle (B=1, S=64,
+16 kv heads: 16 programs on an H200's 132 SMs), the padded kv axis is cut into n_split contiguous
+chunks of whole bkv tiles (gpu_split; GPU_TARGET_PROGRAMS), the grid becomes (B, K, nq, n_split),
+each program runs the same online softmax over its chunk and writes its UNNORMALISED fp32
+accumulator with its running max m and sum l, and plain JAX merges the chunks (_combine_splits:
+weights exp(m_c - max m), fully-masked rows keep the uniform-average rule). Larger grids (B=8 at
+that shape: 128 programs) keep the one-pass kernel unchanged. BlockSizes.kv_splits overrides.
 Interpret mode (interpret=True) runs either body on any platform; that is how CPU tests check it.
 """
 from __future__ import annotations
@@ -56,11 +63,17 @@ BACKENDS = ("tpu", "gpu")
 class BlockSizes:
     """Query and key/value tile lengths: block_q a multiple of 8, block_kv a multiple of 128 (the TPU
     lane rule for the per-key mask tile; a cache shorter than block_kv is one whole tile). The
-    Triton path rounds both down to powers of two."""
+    Triton path rounds both down to powers of two. kv_splits: the Triton path's kv split
+    (flash-decoding, see gpu_tiles): 0 picks it from the grid size, 1 turns it off, n > 1 forces n
+    chunks (capped at the number of kv tiles; tests use it to run the split at small shapes). The
+    TPU body ignores it."""
     block_q: int = 64
     block_kv: int = 512
+    kv_splits: int = 0  # GPU body only: 0 = automatic (gpu_tiles), 1 = never split the kv axis, n = n chunks
 
     def validate(self):
+        if not isinstance(self.kv_splits, int) or self.kv_splits < 0:
+            raise ValueError(f"BlockSizes.kv_splits={self.kv_splits} must be an int >= 0 (0 = automatic)")
         if self.block_q <= 0 or self.block_q % 8:
             raise ValueError(f"BlockSizes.block_q={self.block_q} must be a positive multiple of 8")
         if self.block_kv <= 0 or self.block_kv % 128:
@@ -93,6 +106,16 @@ def heads_per_block(K: int, H: int) -> int:
 GPU_SMEM_BUDGET = 96 * 1024  # bytes of K/V tiles in flight per program (of 227 KiB on Hopper, 163-227 on Ampere)
 GPU_NUM_STAGES = 2
 GPU_MAX_ROWS = 128  # R = G * bq query rows per program
+GPU_TARGET_PROGRAMS = 132
+"""Programs the Triton grid should offer before the kv axis is split: the SM count of the H200 (and
+H100 SXM) the kernel was measured on. At B=1, S=64, L=4096, 16/16 heads, H=128, bf16 the unsplit grid
+(B, K, nq) = (1, 16, 1) ran 16 programs on 132 SMs and took 0.237 ms vs XLA's 0.19 ms; at B=8 (128
+programs) it was 2.65x faster than XLA, so 128 programs is treated as a full grid."""
+GPU_MIN_SPLIT_TILES = 2  # a kv chunk of the split holds at least this many bkv tiles (automatic split)
+# The automatic split applies only to grids of at most target // GPU_SPLIT_MAX_FRACTION programs: the
+# one measured loss to XLA had 16 programs (B 1, 16 kv heads); grids of 64+ programs (B 16 at 16/4
+# heads: 2.66x faster than XLA unsplit) keep the measured kernel until a device times the split there.
+GPU_SPLIT_MAX_FRACTION = 4
 
 
 def tpu_tiles(S: int, L: int, block_sizes: BlockSizes):
@@ -103,19 +126,45 @@ def tpu_tiles(S: int, L: int, block_sizes: BlockSizes):
     return bq, bkv, _round_up(S, bq), _round_up(L, bkv)
 
 
-def gpu_tiles(S: int, L: int, G: int, H: int, itemsize: int, block_sizes: BlockSizes) -> dict:
+def gpu_split(programs: int, num_kv_blocks: int, kv_splits: int = 0,
+              target: int = GPU_TARGET_PROGRAMS) -> tuple[int, int]:
+    """(n_split, chunk_blocks): the Triton body's kv split (flash-decoding) for a grid of `programs`
+    = B*K*nq programs over num_kv_blocks bkv tiles. Automatic (kv_splits == 0): split only when the
+    grid leaves most SMs idle (programs <= target // GPU_SPLIT_MAX_FRACTION), into n = target // programs chunks (so programs * n <= target: one full
+    wave, never a second partial one; B*K*nq >= target/2 gives n = 1, the unsplit kernel), and never
+    into chunks of fewer than GPU_MIN_SPLIT_TILES tiles. kv_splits = n forces n chunks (1 = off).
+    Chunks are contiguous runs of chunk_blocks = ceil(tiles / n) tiles (the last may be shorter), and
+    n is then recomputed as ceil(tiles / chunk_blocks) so no chunk is empty."""
+    if kv_splits:
+        n = min(kv_splits, num_kv_blocks)
+    else:
+        small = programs <= target // GPU_SPLIT_MAX_FRACTION
+        n = max(1, min(target // max(1, programs), num_kv_blocks // GPU_MIN_SPLIT_TILES)) if small else 1
+    chunk = -(-num_kv_blocks // n)
+    return -(-num_kv_blocks // chunk), chunk
+
+
+def gpu_tiles(S: int, L: int, G: int, H: int, itemsize: int, block_sizes: BlockSizes, *, B: int | None = None,
+              K: int | None = None, target_programs: int = GPU_TARGET_PROGRAMS) -> dict:
     """The Triton body's tiling for a power-of-2 query group G: bq window rows per program (R = G*bq
     <= GPU_MAX_ROWS, R >= 16), bkv keys per tile (power of 2, >= 16, and num_stages * (K + V tiles)
-    <= GPU_SMEM_BUDGET), the padded lengths, warps and stages."""
+    <= GPU_SMEM_BUDGET), the padded lengths, warps and stages; and the kv split (gpu_split) for a
+    grid of B*K*nq programs: n_split chunks of chunk_blocks tiles (n_split = 1: no split; without
+    B and K only a forced block_sizes.kv_splits splits)."""
     bq = min(_pow2_floor(block_sizes.block_q), _pow2_ceil(S), max(1, GPU_MAX_ROWS // G))
     bq = max(bq, _pow2_ceil(-(-16 // G)))
     per_key = GPU_NUM_STAGES * 2 * H * itemsize
     bkv = min(_pow2_floor(block_sizes.block_kv), _pow2_ceil(max(L, 16)),
               max(16, _pow2_floor(max(1, GPU_SMEM_BUDGET // per_key))))
     R = G * bq
-    return dict(bq=bq, bkv=bkv, R=R, S_pad=_round_up(S, bq), L_pad=_round_up(L, bkv),
+    S_pad, L_pad = _round_up(S, bq), _round_up(L, bkv)
+    if B is None or K is None:
+        n_split, chunk = gpu_split(1, L_pad // bkv, block_sizes.kv_splits or 1)
+    else:
+        n_split, chunk = gpu_split(B * K * (S_pad // bq), L_pad // bkv, block_sizes.kv_splits, target_programs)
+    return dict(bq=bq, bkv=bkv, R=R, S_pad=S_pad, L_pad=L_pad,
                 num_warps=8 if R >= 128 else 4, num_stages=GPU_NUM_STAGES,
-                smem_kv_bytes=GPU_NUM_STAGES * 2 * bkv * H * itemsize)
+                smem_kv_bytes=GPU_NUM_STAGES * 2 * bkv * H * itemsize, n_split=n_split, chunk_blocks=chunk)
 
 
 def _tile_update(q, k, v, qblk, kblk, kvalid, m, l, acc, *, P: int, H: int):
@@ -194,10 +243,13 @@ def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H,
             o_ref[g] = _finish(acc_ref[g], l, P=P, H=H).astype(o_ref.dtype)
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, bkv, num_kv_blocks):
+def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, bkv, num_kv_blocks, chunk_blocks=0):
     """Grid (b, k, i): q/o (R, H) = the G query heads x bq rows of kv head k; qblk (R, 1); k/v the
-    full (L_pad, H) of kv head k, streamed in bkv tiles; kinfo (2, L_pad)."""
-    o_ref = refs[-1]
+    full (L_pad, H) of kv head k, streamed in bkv tiles; kinfo (2, L_pad).
+    kv split (chunk_blocks > 0): grid (b, k, i, c); program c streams only tiles
+    [c*chunk_blocks, min((c+1)*chunk_blocks, num_kv_blocks)) and writes, unnormalised, its fp32
+    accumulator acc (R, H), running max m (R, 1) and sum l (R, 1) (refs[-3:]); _combine_splits
+    normalises."""
     qblk = qblk_ref[...]
     kv_dtype = k_ref.dtype
     prec = jax.lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None  # fp32: no TF32
@@ -222,8 +274,31 @@ def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, bkv, num
         return m_new, l, acc
 
     init = (jnp.full((R, 1), _NEG, jnp.float32), jnp.zeros((R, 1), jnp.float32), jnp.zeros((R, H), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
-    o_ref[...] = (acc / l).astype(o_ref.dtype)
+    if not chunk_blocks:
+        m, l, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
+        o_ref = refs[-1]
+        o_ref[...] = (acc / l).astype(o_ref.dtype)
+        return
+    lo = pl.program_id(3) * chunk_blocks
+    m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(lo + chunk_blocks, num_kv_blocks), body, init)
+    acc_ref, m_ref, l_ref = refs[-3:]
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _combine_splits(acc, m, l):
+    """The kv split's partials -> attention output (fp32), in plain JAX: acc (..., n, R, H), m and l
+    (..., n, R, 1) over the split axis n (-3): sum_c w_c acc_c / sum_c w_c l_c, w_c = exp(m_c - max_c m_c).
+    Same result as one pass over all tiles, fully masked keys included: masked keys score _NEG
+    (finite), so a chunk with no allowed key has m = _NEG and weight exp(_NEG - M) = 0 when the row
+    has an allowed key elsewhere, and weight 1 (with its masked keys counted in l and acc) when the
+    row has none, which is the uniform average over the L real keys of the unsplit kernel and the
+    reference. Tile-padding keys (_PAD) add 0 to l either way, and a chunk of padding only would keep
+    m = _NEG, l = 0, acc = 0 (no NaN); the chunk holding the row's maximum has l >= 1, so the
+    denominator is never 0."""
+    w = jnp.exp(m - jnp.max(m, axis=-3, keepdims=True))
+    return jnp.sum(w * acc, axis=-3) / jnp.sum(w * l, axis=-3)
 
 
 def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_pos_BS=None, k_pos_BL=None,
@@ -255,12 +330,12 @@ def validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes: BlockSizes, *, q_
     block_sizes.validate()
 
 
-def _poison(in_specs: list, args: list, out_spec, out_shape) -> dict:
-    """Tests' poison_output: append a NaN buffer as an input aliased to the output (so a tile the
-    kernel fails to write stays NaN); returns pallas_call's input_output_aliases."""
+def _poison(in_specs: list, args: list, out_spec, out_shape, out_index: int = 0) -> dict:
+    """Tests' poison_output: append a NaN buffer as an input aliased to output `out_index` (so a tile
+    the kernel fails to write stays NaN); returns pallas_call's input_output_aliases."""
     in_specs.append(out_spec)
     args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    return {len(args) - 1: 0}
+    return {len(args) - 1: out_index}
 
 
 def _mask_inputs(key_mask_BL, q_pos_BS, k_pos_BL, block_size, B, S, L, S_pad, L_pad):
@@ -351,12 +426,14 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
                          interpret, poison_output):
     """The Triton body (module doc): queries as (B, K, S_pad/bq, R = G*bq, H), one program per
     (b, kv head, query tile); the cache padded to a multiple of the power-of-2 kv tile (a copy when L
-    is not one)."""
+    is not one). When that grid is small (gpu_tiles / gpu_split), one program per (b, kv head, query
+    tile, kv chunk), and _combine_splits merges the chunks' partials."""
     B, S, N, H = q_BSNH.shape
     L, K = k_BLKH.shape[1], k_BLKH.shape[2]
     G = N // K
-    t = gpu_tiles(S, L, G, H, jnp.dtype(k_BLKH.dtype).itemsize, block_sizes)
+    t = gpu_tiles(S, L, G, H, jnp.dtype(k_BLKH.dtype).itemsize, block_sizes, B=B, K=K)
     bq, bkv, R, S_pad, L_pad = t["bq"], t["bkv"], t["R"], t["S_pad"], t["L_pad"]
+    n_split = t["n_split"]
     nq = S_pad // bq
     # (B,S,N,H) -> (B, K, nq, G*bq, H): row g*bq + s of tile i is window row i*bq + s of head k*G + g.
     q = jnp.pad(q_BSNH, ((0, 0), (0, S_pad - S), (0, 0), (0, 0)))
@@ -367,6 +444,11 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
     qblk = jnp.broadcast_to(qblk.reshape(B, nq, 1, bq), (B, nq, G, bq)).reshape(B, nq, R, 1)  # q's tile rows
 
     from jax.experimental.pallas import triton as pltriton
+    params = None if interpret else pltriton.CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"])
+    kernel = functools.partial(_gpu_kernel, scale=scale, bkv=bkv, num_kv_blocks=L_pad // bkv)
+    if n_split > 1:
+        return _flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret,
+                                          poison_output).astype(q_BSNH.dtype)
     out_shape = jax.ShapeDtypeStruct((B, K, nq, R, H), q_BSNH.dtype)
     q_spec = pl.BlockSpec((None, None, None, R, H), lambda b, j, i: (b, j, i, 0, 0))
     kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i: (b, 0, j))
@@ -375,14 +457,49 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
     args = [q, k, v, qblk, kinfo]
     aliases = _poison(in_specs, args, q_spec, out_shape) if poison_output else {}
     out = pl.pallas_call(
-        functools.partial(_gpu_kernel, scale=scale, bkv=bkv, num_kv_blocks=L_pad // bkv),
+        kernel,
         grid_spec=pl.GridSpec(grid=(B, K, nq), in_specs=in_specs, out_specs=q_spec),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=t["num_warps"],
-                                                                       num_stages=t["num_stages"]),
+        compiler_params=params,
         interpret=interpret,
         name="dlm_flash_attention",
     )(*args)
+    out = out.reshape(B, K, nq, G, bq, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, S_pad, N, H)
+    return out[:, :S]
+
+
+def _flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret, poison_output):
+    """The kv-split Triton body: grid (B, K, nq, n_split); program c reads the same q tile and streams
+    kv tiles [c*chunk_blocks, (c+1)*chunk_blocks) of the full-length cache ref (no extra padding: the
+    last chunk may be shorter), writing fp32 partials acc (B, K, nq, n, R, H), m and l (B, K, nq, n,
+    R, 1); _combine_splits merges them (fp32), the caller casts. Returns (B, S, N, H) fp32."""
+    bq, R, S_pad, L_pad, n = t["bq"], t["R"], t["S_pad"], t["L_pad"], t["n_split"]
+    nq = S_pad // bq
+    q_spec = pl.BlockSpec((None, None, None, R, H), lambda b, j, i, c: (b, j, i, 0, 0))
+    kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i, c: (b, 0, j))
+    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, None, R, 1), lambda b, j, i, c: (b, i, 0, 0)),
+                pl.BlockSpec((None, 2, L_pad), lambda b, j, i, c: (b, 0, 0))]
+    acc_spec = pl.BlockSpec((None, None, None, None, R, H), lambda b, j, i, c: (b, j, i, c, 0, 0))
+    ml_spec = pl.BlockSpec((None, None, None, None, R, 1), lambda b, j, i, c: (b, j, i, c, 0, 0))
+    out_shape = (jax.ShapeDtypeStruct((B, K, nq, n, R, H), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, nq, n, R, 1), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, nq, n, R, 1), jnp.float32))
+    out_specs = (acc_spec, ml_spec, ml_spec)
+    args = [q, k, v, qblk, kinfo]
+    aliases = {}
+    if poison_output:
+        for idx, (spec, shape) in enumerate(zip(out_specs, out_shape)):
+            aliases |= _poison(in_specs, args, spec, shape, idx)
+    acc, m, l = pl.pallas_call(
+        functools.partial(kernel, chunk_blocks=t["chunk_blocks"]),
+        grid_spec=pl.GridSpec(grid=(B, K, nq, n), in_specs=in_specs, out_specs=out_specs),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=params,
+        interpret=interpret,
+        name="dlm_flash_attention",
+    )(*args)
+    out = _combine_splits(acc, m, l)  # (B, K, nq, R, H)
     out = out.reshape(B, K, nq, G, bq, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, S_pad, N, H)
     return out[:, :S]
