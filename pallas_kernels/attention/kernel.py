@@ -130,9 +130,9 @@ def gpu_split(programs: int, num_kv_blocks: int, kv_splits: int = 0,
               target: int = GPU_TARGET_PROGRAMS) -> tuple[int, int]:
     """(n_split, chunk_blocks): the Triton body's kv split (flash-decoding) for a grid of `programs`
     = B*K*nq programs over num_kv_blocks bkv tiles. Automatic (kv_splits == 0): split only when the
-    grid leaves most SMs idle (programs <= target // GPU_SPLIT_MAX_FRACTION), into n = target // programs chunks (so programs * n <= target: one full
-    wave, never a second partial one; B*K*nq >= target/2 gives n = 1, the unsplit kernel), and never
-    into chunks of fewer than GPU_MIN_SPLIT_TILES tiles. kv_splits = n forces n chunks (1 = off).
+    grid leaves most SMs idle (programs <= target // GPU_SPLIT_MAX_FRACTION; larger grids get n = 1,
+    the unsplit kernel), into n = target // programs chunks (programs * n <= target: one full wave,
+    never a second partial one), never into chunks of fewer than GPU_MIN_SPLIT_TILES tiles. kv_splits = n forces n chunks (1 = off).
     Chunks are contiguous runs of chunk_blocks = ceil(tiles / n) tiles (the last may be shorter), and
     n is then recomputed as ceil(tiles / chunk_blocks) so no chunk is empty."""
     if kv_splits:
