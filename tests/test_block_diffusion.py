@@ -237,7 +237,7 @@ DEL, SPL = 124, 125
 def indel_model(model):
     import dataclasses
     cfg = dataclasses.replace(CFG, extra_token_ids=(("delete_token_id", DEL), ("split_token_id", SPL)))
-    head = model.params["lm_head"]["unembedding"].at[[DEL, SPL, CFG.mask_token_id]].multiply(3.0)
+    head = model.params["lm_head"]["unembedding"].at[np.array([DEL, SPL, CFG.mask_token_id])].multiply(3.0)
     return Model(cfg, dict(model.params, lm_head={"unembedding": head}))
 
 

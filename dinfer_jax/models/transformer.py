@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import quant, stacked
+from dinfer_jax.models.layers import _init as _default_init
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
 from dinfer_jax.models.moe import MoE
 from dinfer_jax.sharding import constrain
@@ -176,6 +177,12 @@ class Transformer(nn.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), self.mesh), new_kv
 
 
+def _init_as_v1_kernel(key, shape, dtype):
+    """The (V, D) table's init: the transpose of the (D, V) kernel that checkpoint format v1 drew from
+    the same key, so a seeded random model (tests, benchmarks) is the same model as before v2."""
+    return _default_init(key, tuple(shape)[::-1], dtype).T
+
+
 class LMHead(nn.Module):
     """logits_BSV = x_BSD @ unembedding (V, D).T (the table is stored out-first, like HF's lm_head.weight)."""
     features_in: int
@@ -184,5 +191,6 @@ class LMHead(nn.Module):
 
     @nn.compact
     def __call__(self, x_BSD):
-        w = param(self, "unembedding", (self.vocab, self.features_in), ("vocab", "embed"), self.dtype)
+        w = param(self, "unembedding", (self.vocab, self.features_in), ("vocab", "embed"), self.dtype,
+                  _init_as_v1_kernel)
         return quant.einsum("bsd,vd->bsv", x_BSD, w)
