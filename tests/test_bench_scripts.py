@@ -186,3 +186,16 @@ def test_forward_ab_tiny(tmp_path):
         (s, k) for s in ("a", "b", "torch") for k in ("full", "dual")}
     assert all(len(t) == 2 for side in res["times"].values() for t in side.values())
     assert "full: torch / b" in r.stdout and "| side | kind |" in r.stdout
+
+
+def test_small_gemm_bench_tiny(tmp_path):
+    """bench/small_gemm.py at tiny shapes: every GEMM row for jax (both layouts, and pinned to one
+    core) and numpy, with positive times."""
+    out = tmp_path / "g.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "small_gemm.py"), "--tiny", "--no-torch",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for g in ("expert M=4", "expert M=8", "expert M=32", "lm head M=32"):
+        for impl in ("jax (K, N)", "jax (N, K)", "numpy (K, N)", "jax (K, N) 1 core"):
+            assert rows[f"{g} | {impl}"]["ms"] > 0
