@@ -119,8 +119,11 @@ def random_params(cfg, seed: int) -> dict:
     from dinfer_jax.models import flatten, init_params
     shapes = flatten(jax.eval_shape(lambda: init_params(cfg, seed)))
     rng = np.random.default_rng(seed)
+    def draw(k, shape):  # the LM head as the v1 (D, V) kernel, transposed: the same model as before format v2
+        return np.ascontiguousarray(rng.standard_normal(shape[::-1], np.float32).T) if k.endswith("unembedding") else \
+            rng.standard_normal(shape, np.float32)
     return {k: (np.ones(v.shape, np.float32) if k.endswith("scale")
-                else rng.standard_normal(v.shape, np.float32) * np.float32(0.02)) for k, v in shapes.items()}
+                else draw(k, v.shape) * np.float32(0.02)) for k, v in shapes.items()}
 
 
 def prepare_checkpoint(args, work: str) -> tuple[str, str]:

@@ -50,7 +50,8 @@ def random_params(cfg, seed: int = 0, init: str = "bench") -> dict:
     std = {"bench": 0.02, "hf": 0.1}[init]
     out = {}
     for k, v in shapes.items():
-        noise = rng.standard_normal(v.shape, np.float32) * np.float32(std)
+        noise = (np.ascontiguousarray(rng.standard_normal(v.shape[::-1], np.float32).T) if k.endswith("unembedding")
+                 else rng.standard_normal(v.shape, np.float32)) * np.float32(std)
         out[k] = ((np.float32(1) + noise) if init == "hf" else np.ones(v.shape, np.float32)) if k.endswith("scale") \
             else noise
     if init == "bench":

@@ -179,12 +179,33 @@ def read_manifest(folder: str) -> dict:
     return man
 
 
+def _committed(slab_dir: str) -> bool:
+    """orbax finished writing this slab (its commit marker; also written on local filesystems)."""
+    return os.path.isfile(os.path.join(slab_dir, "commit_success.txt"))
+
+
+def _reads_v1_slab(new_dir: str, old_dir: str) -> bool:
+    """Read the v1 slab instead of the v2 one: the v2 slab is missing, or is a partial write of an
+    interrupted `upgrade` while the v1 slab is intact."""
+    if not os.path.isdir(old_dir):
+        return False
+    return not os.path.isdir(new_dir) or (not _committed(new_dir) and _committed(old_dir))
+
+
 def upgrade(folder: str) -> bool:
     """Rewrite a v1 checkpoint folder as v2 in place (its LM head slabs transposed and renamed, the
-    manifest last). Returns False when the folder is already v2."""
+    manifest last, then the v1 slabs removed). Returns False when the folder is already v2 (a v1
+    slab an interrupted earlier upgrade left behind is removed then). One process only: run it
+    before a multi-host job, not inside one."""
+    if jax.process_count() > 1:
+        raise RuntimeError("checkpoint.upgrade rewrites files in place: run it from one process, not a "
+                           f"{jax.process_count()}-process job")
     path = os.path.join(folder, MANIFEST)
     raw = read_json(path, "; the checkpoint is damaged, convert it again")
     if isinstance(raw, dict) and raw.get("version") == VERSION:
+        for new, old in V1_TRANSPOSED.items():
+            if _committed(_slab_dir(folder, new, None)):
+                shutil.rmtree(os.path.dirname(_slab_dir(folder, old, None)), ignore_errors=True)
         return False
     man = read_manifest(folder)
     for new, old in V1_TRANSPOSED.items():
@@ -212,9 +233,12 @@ def read_slab(folder: str, path: str, layer: int | None, sharding=None):
     read, transposed, then placed)."""
     d = _slab_dir(folder, path, layer)
     v1 = V1_TRANSPOSED.get(path)
-    if v1 and not os.path.isdir(d) and os.path.isdir(_slab_dir(folder, v1, layer)):
+    if v1 and _reads_v1_slab(d, _slab_dir(folder, v1, layer)):
         arr = np.ascontiguousarray(np.swapaxes(read_slab(folder, v1, layer), -1, -2))
-        return arr if sharding is None else jax.device_put(arr, sharding)
+        if sharding is None:
+            return arr
+        from dinfer_jax.sharding import to_global  # each process places only its own shards
+        return to_global(arr, sharding)
     if sharding is None:
         return np.asarray(_checkpointer().restore(d)["w"])
     meta = _checkpointer().metadata(d)

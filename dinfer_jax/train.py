@@ -343,7 +343,12 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
                                      options=ocp.CheckpointManagerOptions(max_to_keep=2))
         if resume and mngr.latest_step() is not None:
             start = int(mngr.latest_step())
-            restored = mngr.restore(start, args=ocp.args.StandardRestore({"params": params, "opt": opt_state}))
+            try:
+                restored = mngr.restore(start, args=ocp.args.StandardRestore({"params": params, "opt": opt_state}))
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"{workdir}: cannot resume from step {start}: the saved state does not match this "
+                                 f"model's params (a workdir saved before checkpoint format v2 holds the LM head as "
+                                 f"lm_head/kernel (D, V); start a fresh --workdir)") from e
             params, opt_state = restored["params"], restored["opt"]
             log_path = os.path.join(workdir, "log.jsonl")
             if os.path.isfile(log_path):

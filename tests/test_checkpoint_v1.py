@@ -120,3 +120,22 @@ print("MAXDIFF", float(np.abs(a - b).max()))
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert p.returncode == 0, p.stderr[-3000:]
     assert float(next(line for line in p.stdout.splitlines() if line.startswith("MAXDIFF")).split()[1]) == 0.0
+
+
+def test_interrupted_upgrade(folders, tmp_path):
+    """An upgrade cut short: a partial v2 LM head slab (no orbax commit marker) next to the intact v1
+    one is ignored when reading; a v2 folder that still holds the v1 slab (cut between the manifest
+    and the cleanup) loses it on the next upgrade call."""
+    from dinfer_jax import load_model
+    v1 = shutil.copytree(folders[1], str(tmp_path / "v1"))
+    ids = np.arange(24) % 100
+    ref = load_model(folders[0]).logits(ids)
+    partial = ckpt._slab_dir(v1, "lm_head/unembedding", None)
+    os.makedirs(partial)
+    open(os.path.join(partial, "half_written"), "w").close()
+    np.testing.assert_array_equal(load_model(v1).logits(ids), ref)
+    assert ckpt.upgrade(v1) is True
+    stale = ckpt._slab_dir(v1, "lm_head/kernel", None)
+    shutil.copytree(ckpt._slab_dir(folders[1], "lm_head/kernel", None), stale)  # as if the cleanup never ran
+    assert ckpt.upgrade(v1) is False and not os.path.exists(os.path.dirname(stale))
+    np.testing.assert_array_equal(load_model(v1).logits(ids), ref)
