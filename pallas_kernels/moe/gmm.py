@@ -122,7 +122,7 @@ def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dty
         raise ValueError(f"gmm: empty dims are not supported: G={G}, K={K}, N={N}")
     if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
         raise ValueError(f"gmm: group_sizes must be an integer array, got {group_sizes_G.dtype}")
-    quant = _QUANT_DTYPES.get(jnp.dtype(rhs_GKN.dtype)) if rhs_scale is not None else None
+    quant = _QUANT_DTYPES.get(jnp.dtype(rhs_GKN.dtype))
     checked = (("lhs", lhs_MK.dtype), ("preferred_element_type", out_dtype)) + (() if quant else (("rhs", rhs_GKN.dtype),))
     for name, dt in checked:
         if jnp.dtype(dt) not in _SUPPORTED_DTYPES:
@@ -135,7 +135,7 @@ def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dty
         if tuple(rhs_scale.shape) != want or rhs_scale.dtype != jnp.float32:
             raise ValueError(f"gmm: {quant} rhs of shape {(G, K, N)} needs an fp32 rhs_scale of shape {want}, got "
                              f"{rhs_scale.dtype}{tuple(rhs_scale.shape)}")
-    elif jnp.dtype(rhs_GKN.dtype) in _QUANT_DTYPES:
+    elif quant:
         raise ValueError(f"gmm: a quantized {rhs_GKN.dtype} rhs needs its rhs_scale")
     elif lhs_MK.dtype != rhs_GKN.dtype:
         raise ValueError(f"gmm: lhs and rhs dtypes differ ({lhs_MK.dtype} vs {rhs_GKN.dtype}); cast one")
