@@ -7,12 +7,20 @@ accumulation in both; bf16 x bf16 products are exact in fp32). bf16 in / bf16 ou
 sum, and the sums differ in the last fp32 bits, so a rounding can flip by one ulp).
 Every kernel run starts from a NaN-poisoned output buffer, so an output tile the kernel fails to
 write shows up as NaN; rows past sum(group_sizes) must be exactly 0.
+
+Quantized rhs (int8 / fp8 QuantizedWeight stacks) vs the float64 product with the DEQUANTIZED
+weight, per element: |err| <= (K + 2) u (|x| @ |w_deq|), u = 2^-24, as tests/test_quantize.py
+argues: q and the scales are exact in fp32, int8 adds one rounding (the output scale), fp8 one
+(q * scale), plus an fp32 dot over K terms. With bf16 lhs, int8 is under the same bound (q is
+exact in bf16, bf16 x bf16 products are exact in fp32); fp8 then rounds each dequantized weight
+to bf16 (relative 2^-8) on top.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dinfer_jax.models import quant
 from pallas_kernels.moe import (GmmBlockSizes, gmm, gmm_reference, make_group_metadata, swiglu_experts_gmm,
                                 swiglu_experts_tiled)
 
@@ -213,3 +221,160 @@ def test_model_with_pallas_moe_equals_dense():
     want = Model(cfg, params, "dense").logits(ids)
     got = Model(cfg, params, "pallas").logits(ids)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _quantized_stack(seed, shape, kind):
+    """A QuantizedWeight (jnp leaves) of a random (G, K, N) stack with per-column magnitudes
+    spread over e^+-2 (so the per-channel / per-block scales differ), and its float64 dequantized
+    weight computed independently of quant.dequantize."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[:1] + (1,) + shape[2:]))
+    qw = quant.quantize(w.astype(np.float32), kind)
+    q, sc = np.asarray(qw.q).astype(np.float64), np.asarray(qw.scale, np.float64)
+    if kind == "fp8":
+        K, N = shape[1:]
+        sc = np.repeat(np.repeat(sc, 128, axis=1), 128, axis=2)[:, :K, :N]
+    return jax.tree_util.tree_map(jnp.asarray, qw), q * sc
+
+
+def _grouped64(x, w_GKN, sizes):
+    """Float64 per-group product (rows past sum(sizes) stay 0)."""
+    out, row = np.zeros((x.shape[0], w_GKN.shape[2])), 0
+    for g, n in enumerate(sizes):
+        n = max(0, min(n, x.shape[0] - row))
+        out[row:row + n] = x[row:row + n] @ w_GKN[g]
+        row += n
+    return out
+
+
+QCASES = CASES[:4] + [([4, 0, 9, 2], 19, 200, 96)]  # + whole-dim blocks, K, N not multiples of 128
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("case", range(len(QCASES)))
+def test_gmm_quantized_matches_float64_of_dequantized(kind, case):
+    """Uneven groups with empty ones, rows past the groups' sum, several K and N blocks (SMALL),
+    and whole-dim tiles over partial fp8 scale blocks (K=200, N=96)."""
+    sizes, M, K, N = QCASES[case]
+    qw, w64 = _quantized_stack(200 + case, (len(sizes), K, N), kind)
+    x = np.random.default_rng(300 + case).standard_normal((M, K)).astype(np.float32)
+    bs = SMALL if case < 4 else GmmBlockSizes(block_m=8, block_k=256, block_n=128)  # shrink to K, N
+    got = gmm(jnp.asarray(x), qw.q, jnp.asarray(sizes, jnp.int32), rhs_scale=qw.scale, block_sizes=bs,
+              interpret=True, poison_output=True)
+    assert got.dtype == jnp.float32
+    got = np.asarray(got, np.float64)
+    x64 = x.astype(np.float64)
+    ref, mag = _grouped64(x64, w64, sizes), _grouped64(np.abs(x64), np.abs(w64), sizes)
+    _check(got, ref, sizes, M, rel=1e-5)  # NaN poison, exact zeros past the groups
+    assert np.all(np.abs(got - ref) <= (K + 2) * 2.0 ** -24 * mag + 1e-30)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_gmm_quantized_bf16_lhs(kind):
+    sizes, M, K, N = CASES[0]
+    qw, w64 = _quantized_stack(7, (len(sizes), K, N), kind)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((M, K)), jnp.bfloat16)
+    bs = GmmBlockSizes(block_m=16, block_k=128, block_n=128)
+    got = np.asarray(gmm(x, qw.q, jnp.asarray(sizes, jnp.int32), rhs_scale=qw.scale, block_sizes=bs, interpret=True,
+                         preferred_element_type=jnp.float32, poison_output=True), np.float64)
+    x64 = np.asarray(x, np.float64)
+    ref, mag = _grouped64(x64, w64, sizes), _grouped64(np.abs(x64), np.abs(w64), sizes)
+    _check(got, ref, sizes, M, rel=1e-2)
+    rel = (K + 2) * 2.0 ** -24 + (2.0 ** -8 if kind == "fp8" else 0.0)
+    assert np.all(np.abs(got - ref) <= rel * mag + 1e-30)
+
+
+@pytest.mark.smoke
+def test_gmm_quantized_validation_errors():
+    x, gs = jnp.ones((16, 256), jnp.float32), jnp.array([8, 8], jnp.int32)
+    qi, _ = _quantized_stack(0, (2, 256, 256), "int8")
+    qf, _ = _quantized_stack(0, (2, 256, 256), "fp8")
+    bad = [
+        (qi.q, None, "needs its rhs_scale"),
+        (qi.q, qf.scale, r"needs an fp32 rhs_scale of shape \(2, 1, 256\)"),
+        (qf.q, qi.scale, r"needs an fp32 rhs_scale of shape \(2, 2, 2\)"),
+        (qi.q, qi.scale.astype(jnp.bfloat16), "needs an fp32 rhs_scale"),
+        (jnp.ones((2, 256, 256), jnp.float32), qi.scale, "must be int8 or float8_e4m3fn"),
+    ]
+    for rhs, scale, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            gmm(x, rhs, gs, rhs_scale=scale, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="in-first"):
+        swiglu_experts_gmm(x, gs, quant.QuantizedWeight(qi.q, qi.scale, "int8", 1, 1, True), qi, qi, interpret=True)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_swiglu_experts_gmm_quantized_matches_tiled(kind):
+    """Quantized gate / up / down stacks: the Pallas path vs the tiled scan (quant.matmul per
+    tile) and vs a float64 per-row loop over the dequantized experts. Three fp32 matmuls (K <= 256)
+    and a SwiGLU: 1e-4 of the output scale, as in tests/test_quantize.py's grouped expert test."""
+    sizes, R, D, F = [0, 5, 0, 11, 1, 0, 6, 0], 26, 256, 128  # rows 23..25 in no group
+    E = len(sizes)
+    (qg, g64), (qu, u64), (qd, d64) = (_quantized_stack(10 + i, s, kind) for i, s in
+                                       enumerate(((E, D, F), (E, D, F), (E, F, D))))
+    x = np.random.default_rng(4).standard_normal((R, D)).astype(np.float32) * 0.5
+    want, row = np.zeros((R, D)), 0
+    for e, n in enumerate(sizes):
+        for r in range(row, row + n):
+            g, u = x[r].astype(np.float64) @ g64[e], x[r].astype(np.float64) @ u64[e]
+            want[r] = (g / (1 + np.exp(-g)) * u) @ d64[e]
+        row += n
+    args = (jnp.asarray(x), jnp.asarray(sizes, jnp.int32), qg, qu, qd)
+    got = np.asarray(swiglu_experts_gmm(*args, block_sizes=SMALL, interpret=True))
+    tiled = np.asarray(jax.jit(lambda *a: swiglu_experts_tiled(*a, tile=8))(*args))
+    scale = np.abs(want).max()
+    assert got.dtype == np.float32 and (got[sum(sizes):] == 0).all()
+    assert np.abs(got - want).max() <= 1e-4 * scale
+    assert np.abs(got - tiled).max() <= 1e-4 * scale
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_gmm_quantized_lowers_for_tpu(kind):
+    """Quantized experts at LLaDA-MoE-7B-A1B shapes (E=64, D=2048, F=1024; gate / up (E, D, F),
+    down (E, F, D); a few hundred rows) lower to Mosaic custom calls that take the 1-byte weights:
+    no dequantized (E, K, N) stack appears in the program. Mosaic's own compile needs a TPU."""
+    from jax import export
+    E, D, F, R = 64, 2048, 1024, 384
+    bf16 = jnp.bfloat16
+    ws = quant.quantize_abstract({f"mlp/{n}": jax.ShapeDtypeStruct(s, bf16) for n, s in
+                                  (("gate_proj", (E, D, F)), ("up_proj", (E, D, F)), ("down_proj", (E, F, D)))}, kind)
+    f = jax.jit(lambda x, g, a, b, c: swiglu_experts_gmm(x, g, a, b, c))
+    exp = export.export(f, platforms=["tpu"])(jax.ShapeDtypeStruct((R, D), bf16), jax.ShapeDtypeStruct((E,), jnp.int32),
+                                              ws["mlp/gate_proj"], ws["mlp/up_proj"], ws["mlp/down_proj"])
+    text = exp.mlir_module()
+    assert "tpu_custom_call" in text
+    qt = "i8" if kind == "int8" else "f8E4M3FN"
+    assert f"tensor<64x2048x1024x{qt}>" in text and f"tensor<64x1024x2048x{qt}>" in text
+    for dt in ("bf16", "f32"):
+        for shape in ("64x2048x1024", "64x1024x2048"):
+            assert f"tensor<{shape}x{dt}>" not in text, (shape, dt)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_moe_picks_pallas_for_quantized_experts_on_tpu(kind, monkeypatch):
+    """On a TPU target (faked: jax.default_backend), "auto" sends quantized experts to the Pallas
+    kernel (no more rerouting to "tiled"): the exported TPU program holds the dlm_gmm kernel."""
+    from jax import export
+    from dinfer_jax.config import preset
+    from dinfer_jax.models import moe
+    cfg = preset("tiny")
+    monkeypatch.setattr(moe.jax, "default_backend", lambda: "tpu")
+    calls = []
+    real_pallas = moe.experts_pallas
+    monkeypatch.setattr(moe, "experts_pallas", lambda *a, **k: calls.append(1) or real_pallas(*a, **k))
+    monkeypatch.setattr(moe, "experts_tiled", lambda *a, **k: pytest.fail("quantized experts took the tiled path"))
+    layer = moe.MoE(cfg, impl="auto", dtype=jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 8, cfg.hidden_size), jnp.bfloat16)
+    params = jax.eval_shape(lambda: layer.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))["params"]
+    params = jax.tree_util.tree_map(lambda p: getattr(p, "value", p), params,
+                                    is_leaf=lambda p: hasattr(p, "value"))
+    flat = {f"mlp/{k}": v for k, v in params.items()}
+    qp = {k[4:]: v for k, v in quant.quantize_abstract(flat, kind).items()}
+    assert isinstance(qp["gate_proj"], quant.QuantizedWeight)
+    exp = export.export(jax.jit(lambda p, x: layer.apply({"params": p}, x)), platforms=["tpu"])(qp, x)
+    assert calls and "dlm_gmm" in exp.mlir_module()

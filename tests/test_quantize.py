@@ -131,7 +131,7 @@ def _swiglu_ref64(x, groups, wg, wu, wd):
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_expert_grouped_paths_quantized(kind):
-    """tiled (CPU default, and what TPU uses for quantized experts), ragged (GPU default) and the
+    """tiled (CPU default), ragged (GPU default) and the
     all-experts einsum, each vs a float64 per-row loop over the dequantized experts (fp32
     arithmetic through three matmuls of K <= 160 and a SwiGLU: rtol 1e-4 of the output scale),
     and vs the unquantized experts (quantization error: a few % of the output scale)."""
@@ -315,7 +315,7 @@ def test_block_demo_model_quantized_logits():
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_generate_program_lowers_for_tpu_and_cuda(kind):
     """The whole generate program over quantized abstract params exports for TPU (attention in
-    Mosaic; quantized experts take the tiled path) and CUDA at the tiny MoE preset."""
+    Mosaic; quantized experts in the Pallas gmm kernel) and CUDA at the tiny MoE preset."""
     from dinfer_jax.aot import abstract_model, export_generate
     from dinfer_jax.config import preset
     from dinfer_jax.engine import SamplingParams

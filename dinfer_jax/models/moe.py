@@ -17,7 +17,8 @@ Expert paths that must agree (tests/test_moe.py checks each against a per-expert
             CPU, where XLA lowers ragged_dot to a dense matmul per group: E times the work).
 - "pallas": the same sort, then pallas_kernels.moe's megablox-style grouped-matmul Pallas kernel
             (`gmm`, Mosaic; the default on TPU). Off TPU it runs in the Pallas interpreter
-            (slow; for tests).
+            (slow; for tests). Quantized (int8 / fp8) expert stacks go to the kernel as is: it
+            reads the 1-byte weights and dequantizes tile by tile in VMEM.
 "auto" picks by the target platform (MoE.platform; None = jax.default_backend()): "pallas" on TPU,
 "ragged" on GPU, "tiled" on CPU.
 """
@@ -188,8 +189,6 @@ class MoE(nn.Module):
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         impl = resolve_impl(self.impl, self.platform)
-        if impl == "pallas" and isinstance(getattr(wg, "stack", wg), QuantizedWeight):
-            impl = "tiled"  # the Pallas gmm kernel takes float weights; the tiled scan dequantizes per tile
         fn = {"ragged": experts_ragged, "tiled": experts_tiled,
               "pallas": functools.partial(experts_pallas, platform=self.platform), "dense": experts_dense}[impl]
         multi_device = self.mesh is not None and self.mesh.size > 1

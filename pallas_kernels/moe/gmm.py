@@ -34,6 +34,24 @@ Block-size rules (checked in `validate`; Mosaic's (8, 128) tiling of the last tw
   be a multiple of 128 and divide K (resp. N). A block larger than the dim is shrunk to the dim.
 - The same rules are enforced in interpret mode, so a configuration that passes the CPU tests
   has TPU-legal block shapes.
+
+Quantized rhs (weight-only; dinfer_jax/models/quant.py's QuantizedWeight layout), `rhs_scale` given:
+- The kernel reads the 1-byte rhs tile (tk, tn) from HBM and dequantizes it in VMEM; the float
+  path (no rhs_scale) is the kernel above, unchanged.
+- int8, scale_G1N fp32 per output channel: the tile is converted to the lhs dtype (through fp32:
+  exact, |q| <= 127), lhs @ q accumulates in fp32, and the accumulator is multiplied once by the
+  scale slice (1, tn) when written out (exact factorisation: the scale is constant along K). The
+  scale has its own BlockSpec (squeezed, 1, tn) at (group, 0, n): a block equal to the whole
+  size-1 dim, so any legal tn works.
+- fp8 e4m3 with fp32 scales per 128 x 128 block, scale (G, ceil(K/128), ceil(N/128)): the
+  wrapper carries q as int8 bits (TPUs before v7 have no fp8 in Mosaic) and expands the scales
+  along N to one per column, laid out (G, K/tk, ceil(tk/128), N) so that the scale block
+  (squeezed, squeezed, ceil(tk/128), tn) at (group, k, 0, n) has its last two dims legal for
+  any legal tk, tn (whole dim, lane multiple). Extra HBM read: 4 bytes per 128 weight bytes
+  (~3%). In the kernel each 128-row chunk of the tile is decoded from its e4m3 bits with int32
+  ops (exact; e4m3fn NaN bits, which quantize never writes, decode as 480), times its scale row
+  (fp32, one rounding), cast to the lhs dtype into a (tk, tn) VMEM scratch, then one dot.
+  A tile never splits a scale block: tk is a multiple of 128 or the whole K.
 """
 from __future__ import annotations
 
@@ -45,7 +63,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_QUANT_DTYPES = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.float8_e4m3fn): "fp8"}
 _LANES = 128
+_FP8_BLOCK = 128  # fp8 scale block edge (quant.BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +104,7 @@ def _fit(block: int, dim: int, what: str, letter: str) -> int:
     return b
 
 
-def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dtype):
+def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dtype, rhs_scale=None):
     """Clear errors for inputs the kernel does not support. Returns the effective (tm, tk, tn)."""
     if lhs_MK.ndim != 2:
         raise ValueError(f"gmm: lhs must be 2-D (M, K), got shape {tuple(lhs_MK.shape)}")
@@ -102,11 +122,22 @@ def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dty
         raise ValueError(f"gmm: empty dims are not supported: G={G}, K={K}, N={N}")
     if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
         raise ValueError(f"gmm: group_sizes must be an integer array, got {group_sizes_G.dtype}")
-    for name, dt in (("lhs", lhs_MK.dtype), ("rhs", rhs_GKN.dtype), ("preferred_element_type", out_dtype)):
+    quant = _QUANT_DTYPES.get(jnp.dtype(rhs_GKN.dtype))
+    checked = (("lhs", lhs_MK.dtype), ("preferred_element_type", out_dtype)) + (() if quant else (("rhs", rhs_GKN.dtype),))
+    for name, dt in checked:
         if jnp.dtype(dt) not in _SUPPORTED_DTYPES:
             raise ValueError(f"gmm: {name} dtype {jnp.dtype(dt)} is not supported "
                              f"(supported: {[str(d) for d in _SUPPORTED_DTYPES]})")
-    if lhs_MK.dtype != rhs_GKN.dtype:
+    if rhs_scale is not None:
+        if quant is None:
+            raise ValueError(f"gmm: rhs_scale is given, so rhs must be int8 or float8_e4m3fn, got {rhs_GKN.dtype}")
+        want = (G, 1, N) if quant == "int8" else (G, -(-K // _FP8_BLOCK), -(-N // _FP8_BLOCK))
+        if tuple(rhs_scale.shape) != want or rhs_scale.dtype != jnp.float32:
+            raise ValueError(f"gmm: {quant} rhs of shape {(G, K, N)} needs an fp32 rhs_scale of shape {want}, got "
+                             f"{rhs_scale.dtype}{tuple(rhs_scale.shape)}")
+    elif quant:
+        raise ValueError(f"gmm: a quantized {rhs_GKN.dtype} rhs needs its rhs_scale")
+    elif lhs_MK.dtype != rhs_GKN.dtype:
         raise ValueError(f"gmm: lhs and rhs dtypes differ ({lhs_MK.dtype} vs {rhs_GKN.dtype}); cast one")
     block_sizes.validate()
     sub = max(_sublanes(lhs_MK.dtype), _sublanes(out_dtype))
@@ -155,9 +186,27 @@ def make_group_metadata(group_sizes_G, num_rows: int, tm: int):
     return group_offsets, group_ids, tile_ids, num_visits.reshape(1).astype(jnp.int32)
 
 
+def _decode_e4m3(bits):
+    """float8_e4m3fn values from their bits (any int dtype, low 8 bits used) -> fp32, with int32
+    ops only (Mosaic has no fp8 before TPU v7). Exact for every finite e4m3fn value; the NaN bit
+    patterns (0x7f, 0xff) give +-480."""
+    b = bits.astype(jnp.int32) & 0xFF
+    mag = b & 0x7F
+    # normal: exponent e - 7 + 127 = e + 120 in f32's exponent field, the 3 mantissa bits on top
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    subnormal = (b & 7).astype(jnp.float32) * (2.0 ** -9)  # exponent field 0: m/8 * 2^-6
+    val = jnp.where(mag < 8, subnormal, normal)
+    return jnp.where(b >= 0x80, -val, val)
+
+
 def _gmm_kernel(group_offsets, group_ids, tile_ids, num_visits,  # scalar prefetch (SMEM)
-                lhs_ref, rhs_ref, *refs, tm: int, tn: int, nk: int):
-    out_ref, acc_ref = refs[-2], refs[-1]  # refs = ([poisoned_init_ref,] out_ref, acc_ref)
+                lhs_ref, rhs_ref, *refs, tm: int, tn: int, nk: int, quant: str | None = None):
+    # refs = ([scale_ref,] [poisoned_init_ref,] out_ref, acc_ref[, deq_ref]): scale_ref with a
+    # quantized rhs (module doc); deq_ref, fp8 only, holds the dequantized (tk, tn) rhs tile.
+    if quant == "fp8":
+        scale_ref, out_ref, acc_ref, deq_ref = refs[0], refs[-3], refs[-2], refs[-1]
+    else:
+        scale_ref, out_ref, acc_ref = (refs[0] if quant else None), refs[-2], refs[-1]
     v, k = pl.program_id(1), pl.program_id(2)
     g, tile = group_ids[v], tile_ids[v]
     start, end = group_offsets[g], group_offsets[g + 1]
@@ -169,9 +218,23 @@ def _gmm_kernel(group_offsets, group_ids, tile_ids, num_visits,  # scalar prefet
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
+    def dequantized_rhs():
+        if quant == "int8":  # int8 -> fp32 -> lhs dtype: exact (|q| <= 127)
+            return rhs_ref[...].astype(jnp.float32).astype(lhs_ref.dtype)
+        tk = rhs_ref.shape[0]  # fp8: per 128-row chunk, decode the bits, times the chunk's (1, tn) scale row
+        for c in range(-(-tk // _FP8_BLOCK)):
+            r0, r1 = c * _FP8_BLOCK, min((c + 1) * _FP8_BLOCK, tk)
+            w = _decode_e4m3(rhs_ref[r0:r1, :]) * scale_ref[c:c + 1, :]
+            deq_ref[r0:r1, :] = w.astype(deq_ref.dtype)
+        return deq_ref[...]
+
     @pl.when(real & overlaps)
     def _():
-        acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
+        if quant is None:
+            acc_ref[...] += jnp.dot(lhs_ref[...], rhs_ref[...], preferred_element_type=jnp.float32)
+        else:
+            lhs = lhs_ref[...]
+            acc_ref[...] += jnp.dot(lhs, dequantized_rhs(), preferred_element_type=jnp.float32)
 
     @pl.when(real & (k == nk - 1))
     def _():
@@ -179,7 +242,8 @@ def _gmm_kernel(group_offsets, group_ids, tile_ids, num_visits,  # scalar prefet
         in_group = (rows >= start) & (rows < end)
         first = (v == 0) | (tile_ids[jnp.maximum(v - 1, 0)] != tile)  # earlier visits wrote other rows
         keep = jnp.where(first, jnp.zeros((tm, tn), out_ref.dtype), out_ref[...])
-        out_ref[...] = jnp.where(in_group, acc_ref[...].astype(out_ref.dtype), keep)
+        acc = acc_ref[...] * scale_ref[...] if quant == "int8" else acc_ref[...]  # (tm, tn) x (1, tn)
+        out_ref[...] = jnp.where(in_group, acc.astype(out_ref.dtype), keep)
 
 
 def _compiler_params(ndims_parallel: int, ndims: int):
@@ -189,21 +253,25 @@ def _compiler_params(ndims_parallel: int, ndims: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "preferred_element_type", "poison_output"))
-def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, block_sizes: GmmBlockSizes | None = None, interpret: bool = False,
-        preferred_element_type=None, poison_output: bool = False):
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, rhs_scale=None, block_sizes: GmmBlockSizes | None = None,
+        interpret: bool = False, preferred_element_type=None, poison_output: bool = False):
     """Grouped matmul: (M, K) rows sorted by group x (G, K, N) per-group weights -> (M, N).
 
     group_sizes_G: integer (G,), non-negative; group g owns the next group_sizes_G[g] rows. Rows
     past sum(group_sizes) give 0; sizes summing past M are cut at M. Accumulation is fp32; the
     output has `preferred_element_type` (default: lhs's dtype). lhs and rhs share one dtype
     (float32, bfloat16 or float16). block_sizes: see `GmmBlockSizes` and the module docstring.
+    rhs_scale (quantized rhs, module doc): with an int8 rhs_GKN, fp32 (G, 1, N) per output channel;
+    with a float8_e4m3fn rhs_GKN, fp32 (G, ceil(K/128), ceil(N/128)) per 128 x 128 block. The
+    result is then lhs @ dequantized rhs, computed in lhs's dtype (any of the three).
     interpret=True runs the kernel body in the Pallas interpreter (any platform; how CPU tests
     run it). poison_output (tests): the output buffer starts as NaN (aliased input), so a tile
     the kernel fails to write shows up as NaN.
     """
     block_sizes = block_sizes or GmmBlockSizes()
     out_dtype = jnp.dtype(lhs_MK.dtype if preferred_element_type is None else preferred_element_type)
-    tm, tk, tn = validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes, out_dtype)
+    tm, tk, tn = validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes, out_dtype, rhs_scale)
+    quant = None if rhs_scale is None else _QUANT_DTYPES[jnp.dtype(rhs_GKN.dtype)]
     (M, K), N = lhs_MK.shape, rhs_GKN.shape[2]
     if M == 0:
         return jnp.zeros((0, N), out_dtype)
@@ -216,25 +284,37 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, block_sizes: GmmBlockSizes | None = N
         # Steps past the last real visit keep the last k block: same indices, so no new DMA.
         return jnp.where(v < num_visits[0], k, nk - 1)
 
+    from jax.experimental.pallas import tpu as pltpu
     lhs_spec = pl.BlockSpec((tm, tk), lambda n, v, k, off, gid, tid, nv: (tid[v], k_block(v, k, nv)))
     rhs_spec = pl.BlockSpec((pl.squeezed, tk, tn), lambda n, v, k, off, gid, tid, nv: (gid[v], k_block(v, k, nv), n))
     out_spec = pl.BlockSpec((tm, tn), lambda n, v, k, off, gid, tid, nv: (tid[v], n))
     in_specs, args, aliases = [lhs_spec, rhs_spec], [lhs, rhs_GKN], {}
+    scratch = [pltpu.VMEM((tm, tn), jnp.float32)]
+    if quant == "int8":
+        in_specs.append(pl.BlockSpec((pl.squeezed, 1, tn), lambda n, v, k, off, gid, tid, nv: (gid[v], 0, n)))
+        args.append(rhs_scale)
+    elif quant == "fp8":
+        args[1] = jax.lax.bitcast_convert_type(rhs_GKN, jnp.int8)  # the e4m3 bits, decoded in the kernel
+        kb = -(-tk // _FP8_BLOCK)  # scale rows per K tile (tk is a multiple of 128 or the whole K)
+        s_GKN = jnp.repeat(rhs_scale, _FP8_BLOCK, axis=2)[:, :, :N]  # one scale per column
+        in_specs.append(pl.BlockSpec((pl.squeezed, pl.squeezed, kb, tn),
+                                     lambda n, v, k, off, gid, tid, nv: (gid[v], k_block(v, k, nv), 0, n)))
+        args.append(s_GKN.reshape(rhs_GKN.shape[0], nk, kb, N))
+        scratch.append(pltpu.VMEM((tk, tn), lhs.dtype))
     if poison_output:
         in_specs.append(out_spec)
         args.append(jnp.full((M_pad, N), jnp.nan, out_dtype))
-        aliases = {4 + 2: 0}  # operand index counts the 4 scalar-prefetch operands
+        aliases = {4 + len(args) - 1: 0}  # operand index counts the 4 scalar-prefetch operands
 
-    from jax.experimental.pallas import tpu as pltpu
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(nn, V, nk),
         in_specs=in_specs,
         out_specs=out_spec,
-        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        scratch_shapes=scratch,
     )
     out = pl.pallas_call(
-        functools.partial(_gmm_kernel, tm=tm, tn=tn, nk=nk),
+        functools.partial(_gmm_kernel, tm=tm, tn=tn, nk=nk, quant=quant),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((M_pad, N), out_dtype),
         input_output_aliases=aliases,
@@ -245,6 +325,18 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, block_sizes: GmmBlockSizes | None = N
     return out[:M]
 
 
+def _rhs_and_scale(w):
+    """(rhs, rhs_scale) for gmm: a plain (E, K, N) array -> (w, None); a weight-only quantized
+    stack (dinfer_jax.models.quant.QuantizedWeight: fields q, scale; one lead, in and out dim,
+    in-first) -> (q, scale)."""
+    if not (hasattr(w, "q") and hasattr(w, "scale")):
+        return w, None
+    if getattr(w, "out_first", False) or w.q.ndim != 3 or (getattr(w, "n_in", 1), getattr(w, "n_out", 1)) != (1, 1):
+        raise ValueError(f"swiglu_experts_gmm: a quantized expert stack must be in-first (E, K, N) with one in and "
+                         f"one out dim, got q {tuple(w.q.shape)}")
+    return w.q, w.scale
+
+
 def swiglu_experts_gmm(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                        block_sizes: GmmBlockSizes | None = None, interpret: bool = False):
     """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum
@@ -253,13 +345,18 @@ def swiglu_experts_gmm(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, *,
     Same contract as `swiglu_experts_tiled`. The matmuls run in the weights' dtype (x is cast to
     it) with fp32 accumulation; gate and up come out in fp32, the SwiGLU is taken in fp32 and cast
     back to the weights' dtype for the down projection; y has x's dtype.
+    A weight may be a quantized stack (int8 or fp8 QuantizedWeight, see `_rhs_and_scale`): the
+    kernel reads its 1-byte values and dequantizes tile by tile (gmm's module doc); its matmul
+    then runs in x's dtype (as quant.matmul does on the tiled path).
     """
-    x = x_RD.astype(w_gate_EDF.dtype)
-    g_RF = gmm(x, w_gate_EDF, group_sizes_E, block_sizes=block_sizes, interpret=interpret,
+    (wg, sg), (wu, su), (wd, sd) = (_rhs_and_scale(w) for w in (w_gate_EDF, w_up_EDF, w_down_EFD))
+    dt_g, dt_u = (x_RD.dtype if s is not None else w.dtype for w, s in ((wg, sg), (wu, su)))
+    x = x_RD.astype(dt_g)
+    g_RF = gmm(x, wg, group_sizes_E, rhs_scale=sg, block_sizes=block_sizes, interpret=interpret,
                preferred_element_type=jnp.float32)
-    u_RF = gmm(x, w_up_EDF, group_sizes_E, block_sizes=block_sizes, interpret=interpret,
+    u_RF = gmm(x if dt_u == dt_g else x_RD.astype(dt_u), wu, group_sizes_E, rhs_scale=su, block_sizes=block_sizes, interpret=interpret,
                preferred_element_type=jnp.float32)
-    h_RF = (jax.nn.silu(g_RF) * u_RF).astype(w_down_EFD.dtype)
-    y_RD = gmm(h_RF, w_down_EFD, group_sizes_E, block_sizes=block_sizes, interpret=interpret,
+    h_RF = (jax.nn.silu(g_RF) * u_RF).astype(x_RD.dtype if sd is not None else wd.dtype)
+    y_RD = gmm(h_RF, wd, group_sizes_E, rhs_scale=sd, block_sizes=block_sizes, interpret=interpret,
                preferred_element_type=jnp.float32)
     return y_RD.astype(x_RD.dtype)
