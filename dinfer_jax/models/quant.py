@@ -197,6 +197,17 @@ def _dequant_tile(q_KN, scale, start, tn, K, dtype, kind):
     return (q_t.astype(jnp.float32) * s_full).astype(dtype)
 
 
+def _output_tiles(tile, M: int, N: int, tn: int, dtype):
+    """y (M, N) from tile(start, n) -> (M, n) output columns: one call when tn == N, else a
+    fori_loop over the N // tn tiles (one dequantized weight tile live at a time)."""
+    if tn == N:
+        return tile(0, N)
+
+    def body(j, y):
+        return jax.lax.dynamic_update_slice_in_dim(y, tile(j * tn, tn), j * tn, axis=1)
+    return jax.lax.fori_loop(0, N // tn, body, jnp.zeros((M, N), dtype))
+
+
 def matmul(x, w, precision=None):
     """x (..., in...) contracted with w's in dims -> (..., out...).
 
@@ -226,12 +237,7 @@ def matmul(x, w, precision=None):
             y = (y * jax.lax.dynamic_slice_in_dim(scale, start, n, axis=1)).astype(dt)
         return y
 
-    if tn == N:
-        y_MN = tile(0, N)
-    else:
-        def body(j, y):
-            return jax.lax.dynamic_update_slice_in_dim(y, tile(j * tn, tn), j * tn, axis=1)
-        y_MN = jax.lax.fori_loop(0, N // tn, body, jnp.zeros((x_MK.shape[0], N), dt))
+    y_MN = _output_tiles(tile, x_MK.shape[0], N, tn, dt)
     return y_MN.reshape(x.shape[:x.ndim - w.n_in] + tuple(out_shape))
 
 
@@ -257,12 +263,7 @@ def _matmul_out_first(x, w: QuantizedWeight, precision=None):
         s_full = jnp.repeat(jnp.repeat(s_t, BLOCK, axis=0)[:n], BLOCK, axis=1)[:, :K]
         return jnp.matmul(x_MK, (q_t * s_full).astype(dt).T, precision=precision)
 
-    if tn == N:
-        y_MN = tile(0, N)
-    else:
-        def body(j, y):
-            return jax.lax.dynamic_update_slice_in_dim(y, tile(j * tn, tn), j * tn, axis=1)
-        y_MN = jax.lax.fori_loop(0, N // tn, body, jnp.zeros((x_MK.shape[0], N), dt))
+    y_MN = _output_tiles(tile, x_MK.shape[0], N, tn, dt)
     return y_MN.reshape(x.shape[:-1] + (N,))
 
 
