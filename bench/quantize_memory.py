@@ -120,6 +120,15 @@ def main():
         rows[kind]["logits_max_abs_err_rel"] = float(np.abs(out - ref).max() / np.abs(ref).max())
         rows[kind]["logits_rms_err_rel"] = float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2)))
         rows[kind]["top1_agreement"] = float(np.mean(out.argmax(-1) == ref.argmax(-1)))
+        # Are the disagreements near-ties? The bf16 top-1 minus top-2 logit per position, next to the
+        # quantized logits' max |error| at that position (both relative to max |logits_bf16|).
+        top2 = np.sort(ref, axis=-1)[..., -2:]
+        margin = (top2[..., 1] - top2[..., 0]) / np.abs(ref).max()
+        err = np.abs(out - ref).max(-1) / np.abs(ref).max()
+        differ = out.argmax(-1) != ref.argmax(-1)
+        rows[kind]["bf16_top1_margin_rel_median"] = float(np.median(margin))
+        rows[kind]["positions_margin_below_2x_err"] = float(np.mean(margin < 2 * err))
+        rows[kind]["disagreeing_margin_rel_max"] = float(margin[differ].max()) if differ.any() else None
         rows[kind]["disk_vs_bf16"] = round(rows[kind]["disk_bytes"] / rows["bf16"]["disk_bytes"], 3)
     result = {"preset": a.preset, "layers": cfg.num_layers, "full_size": a.full, "hidden": cfg.hidden_size,
               "experts": cfg.num_experts, "moe_ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
