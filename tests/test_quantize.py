@@ -358,3 +358,28 @@ print("MAXDIFF", float(np.abs(out - np.load({str(tmp_path / 'ref.npy')!r})).max(
     assert specs.count("expert") == 2 and specs.count("model") == 2, specs
     diff = float(next(line for line in p.stdout.splitlines() if line.startswith("MAXDIFF")).split()[1])
     assert diff < 1e-3, diff
+
+
+def test_quantized_model_equals_its_dequantized_float_model_at_depth():
+    """16 layers (every layer slab of the stacks, experts included): the quantized model's logits
+    equal those of the same model given the dequantized weights as plain fp32 arrays (fp8 bit for
+    bit: its tiles are dequantized to fp32 before the dot, as the float model multiplies; int8
+    scales the product instead, so fp32 rounding). So what quantization changes is the weights'
+    values only, at every depth (bench/RESULTS.md: fp8's top-1 flips at 16 random layers)."""
+    from dinfer_jax.config import preset
+    from dinfer_jax.model import Model
+    from dinfer_jax.models import flatten, init_params, unflatten
+    cfg = preset("tiny").replace(num_layers=16)
+    rng = np.random.default_rng(0)
+    shapes = flatten(jax.eval_shape(lambda: init_params(cfg, seed=0)))
+    flat = {k: np.ones(v.shape, np.float32) if k.endswith("scale") else
+            (rng.standard_normal(v.shape) * 0.02).astype(np.float32) for k, v in shapes.items()}
+    ids = (np.arange(48) * 7919 + 13) % cfg.vocab_size
+    for kind in ("int8", "fp8"):
+        qf, meta = quant.quantize_flat(flat, kind)
+        packed = quant.pack_flat({k: jnp.asarray(v) for k, v in qf.items()}, meta)
+        lq = Model(cfg, unflatten(packed)).logits(ids)
+        deq = {k: quant.dequantize(v) if isinstance(v, QuantizedWeight) else v for k, v in packed.items()}
+        ld = Model(cfg, unflatten(deq)).logits(ids)
+        tol = 0.0 if kind == "fp8" else 1e-5 * np.abs(ld).max()
+        assert np.abs(lq - ld).max() <= tol, (kind, np.abs(lq - ld).max())
