@@ -450,10 +450,7 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
         return _flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret,
                                           poison_output).astype(q_BSNH.dtype)
     out_shape = jax.ShapeDtypeStruct((B, K, nq, R, H), q_BSNH.dtype)
-    q_spec = pl.BlockSpec((None, None, None, R, H), lambda b, j, i: (b, j, i, 0, 0))
-    kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i: (b, 0, j))
-    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, None, R, 1), lambda b, j, i: (b, i, 0, 0)),
-                pl.BlockSpec((None, 2, L_pad), lambda b, j, i: (b, 0, 0))]
+    q_spec, in_specs = _gpu_in_specs(R, H, L_pad)
     args = [q, k, v, qblk, kinfo]
     aliases = _poison(in_specs, args, q_spec, out_shape) if poison_output else {}
     out = pl.pallas_call(
@@ -469,6 +466,15 @@ def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL
     return out[:, :S]
 
 
+def _gpu_in_specs(R: int, H: int, L_pad: int):
+    """(q_spec, [q, k, v, qblk, kinfo] BlockSpecs) of the Triton body for a grid (b, j, i) or, with
+    the kv split, (b, j, i, c): every input is the same for all chunks c of a (b, j, i)."""
+    q_spec = pl.BlockSpec((None, None, None, R, H), lambda b, j, i, *c: (b, j, i, 0, 0))
+    kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i, *c: (b, 0, j))
+    return q_spec, [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, None, R, 1), lambda b, j, i, *c: (b, i, 0, 0)),
+                    pl.BlockSpec((None, 2, L_pad), lambda b, j, i, *c: (b, 0, 0))]
+
+
 def _flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret, poison_output):
     """The kv-split Triton body: grid (B, K, nq, n_split); program c reads the same q tile and streams
     kv tiles [c*chunk_blocks, (c+1)*chunk_blocks) of the full-length cache ref (no extra padding: the
@@ -476,10 +482,7 @@ def _flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H
     R, 1); _combine_splits merges them (fp32), the caller casts. Returns (B, S, N, H) fp32."""
     bq, R, S_pad, L_pad, n = t["bq"], t["R"], t["S_pad"], t["L_pad"], t["n_split"]
     nq = S_pad // bq
-    q_spec = pl.BlockSpec((None, None, None, R, H), lambda b, j, i, c: (b, j, i, 0, 0))
-    kv_spec = pl.BlockSpec((None, L_pad, H), lambda b, j, i, c: (b, 0, j))
-    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, None, R, 1), lambda b, j, i, c: (b, i, 0, 0)),
-                pl.BlockSpec((None, 2, L_pad), lambda b, j, i, c: (b, 0, 0))]
+    _, in_specs = _gpu_in_specs(R, H, L_pad)
     acc_spec = pl.BlockSpec((None, None, None, None, R, H), lambda b, j, i, c: (b, j, i, c, 0, 0))
     ml_spec = pl.BlockSpec((None, None, None, None, R, 1), lambda b, j, i, c: (b, j, i, c, 0, 0))
     out_shape = (jax.ShapeDtypeStruct((B, K, nq, n, R, H), jnp.float32),
