@@ -25,6 +25,20 @@ import threading
 TMP_TAG = ".dinfer-tmp-"
 
 
+def _umask() -> int:
+    """The process umask (read from /proc where it can be: os.umask alone must set it to read it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -86,6 +100,7 @@ def atomic_folder(dst: str, overwrite: bool = False):
     os.makedirs(parent, exist_ok=True)
     _remove_stale(parent, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}{TMP_TAG}{os.getpid()}-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the result is an ordinary folder
     try:
         yield tmp
         check_destination(dst, overwrite)  # nobody filled it meanwhile

@@ -99,6 +99,16 @@ def _positive(text):
     return v
 
 
+def _positive_list(text):
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return vals
+
+
 def _port(text):
     try:
         v = int(text)
@@ -560,7 +570,11 @@ def cmd_serve(a):
                        max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000,
                        max_steps=a.max_steps, max_post_steps=a.max_post_steps_limit,
                        request_timeout_s=a.request_timeout or None, warmup=a.warmup, scheduler=a.scheduler,
-                       segment=a.segment, prefix_cache_mb=a.prefix_cache_mb)
+                       segment=a.segment, prefix_cache_mb=a.prefix_cache_mb,
+                       warmup_max_tokens=a.warmup_max_tokens or (), warmup_prompt_len=a.warmup_prompt_len,
+                       max_body_bytes=int(a.max_body_mb * 2 ** 20), max_prompt_chars=a.max_prompt_chars,
+                       watchdog_s=a.watchdog, compile_watchdog_s=a.compile_watchdog, drain_timeout_s=a.drain_timeout,
+                       max_model_len=a.max_model_len)
     if cfg.default_max_tokens > cfg.max_tokens:
         raise ValueError(f"--default-max-tokens {cfg.default_max_tokens} exceeds --max-tokens {cfg.max_tokens}")
     compile_cache.enable(a.compile_cache)  # before the first compile (load_model places params)
@@ -691,8 +705,27 @@ def build_parser() -> argparse.ArgumentParser:
                          "32 tokens, streaming and not) before admitting traffic; /health is 503 until then")
     sv.add_argument("--default-max-tokens", type=_positive, default=None,
                     help="max_tokens when a request omits it (default: the folder's gen_length, else 128)")
-    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="static scheduler: wait for more requests "
-                    "before a batch")
+    sv.add_argument("--warmup-max-tokens", type=_positive_list, default=None,
+                    help="--warmup compiles the programs of these max_tokens values, e.g. 16,64,256 (default: "
+                         "--default-max-tokens); other lengths compile in the background on first use")
+    sv.add_argument("--warmup-prompt-len", type=_positive, default=32,
+                    help="--warmup compiles every prompt-length bucket up to this many tokens (default 32)")
+    sv.add_argument("--max-model-len", type=_positive, default=None,
+                    help="prompt + max_tokens at most (default: the model's max_position_embeddings)")
+    sv.add_argument("--max-body-mb", type=_nonneg_float, default=8.0,
+                    help="request bodies above this many MiB get 413 before they are read (default 8)")
+    sv.add_argument("--max-prompt-chars", type=_positive, default=None,
+                    help="prompts longer than this many characters get 400 before tokenizing (default: 16 x the "
+                         "maximum length)")
+    sv.add_argument("--watchdog", type=_nonneg_float, default=300.0,
+                    help="seconds a batch / segment may run before its requests get 504 and /health reports the "
+                         "scheduler stuck (default 300)")
+    sv.add_argument("--compile-watchdog", type=_nonneg_float, default=900.0,
+                    help="seconds a background compile may run before the requests waiting on it get 504")
+    sv.add_argument("--drain-timeout", type=_nonneg_float, default=60.0,
+                    help="SIGTERM: seconds in-flight requests get to finish while new ones get 503 (default 60)")
+    sv.add_argument("--batch-wait-ms", type=_nonneg_float, default=5.0, help="static scheduler: wait for more "
+                    "requests before a batch")
     sv.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
                     help="continuous: finished rows leave and waiting requests join between loop segments "
                          "(default); static: each batch runs to its end")

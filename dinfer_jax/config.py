@@ -266,7 +266,22 @@ def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = Non
     Special ids: see `resolve_special_ids` (`file_ids` come from `special_ids_from_files`)."""
     fam = family_of(hf)
     where = f"{hf['architectures'][0]} config"
-    return fam.read_config(hf, lambda vocab: resolve_special_ids(hf, file_ids, fam.default_ids, vocab, where), where)
+    try:
+        return fam.read_config(hf, lambda vocab: resolve_special_ids(hf, file_ids, fam.default_ids, vocab, where),
+                               where)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {_bad_field(hf, e)}") from None
+
+
+def _bad_field(hf: Mapping[str, Any], e: Exception) -> str:
+    """A reader's int() / float() failure -> which config.json field holds the bad value."""
+    bad = [k for k, v in hf.items() if isinstance(v, (str, list, dict, bool)) and (
+        repr(v) in str(e) or (isinstance(v, (list, dict)) and type(v).__name__ in str(e)))]
+    if bad:
+        return f"{bad[0]}={hf[bad[0]]!r} is not a valid value ({type(e).__name__}: {e})"
+    return f"a field has a value of the wrong type ({type(e).__name__}: {e})"
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict:

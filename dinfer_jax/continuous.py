@@ -8,13 +8,16 @@ request no longer waits for the longest one in its batch, and a request arriving
 at the next segment boundary instead of after the whole batch.
 
 Programs: one RunningBatch per (DecodeSpec with the gen length bucketed to a power-of-two number
-of blocks, prompt bucket) in flight; a row decodes its own gen_length inside the program's region
-(max_tokens 16, 24 and 32 with block 8 share one program of 32), exactly as alone, at most `max_programs` at
-once, stepped round robin; a batch's size is the power of two covering the waiting rows that
-match it (at least MIN_BATCH, at most max_batch) when it is created, and it is dropped when it runs empty (its
-compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs
-(threshold, temperature, seed, ...) differ freely. A job that fits no running batch waits for one
-to drain (FIFO among equals; other jobs may pass it).
+of blocks, prompt bucket: `prompt_bucket`, batch size) in flight; a row decodes its own gen_length
+inside the program's region (max_tokens 16, 24 and 32 with block 8 share one program of 32),
+exactly as alone, at most `max_programs` at once, stepped round robin. A new batch's size is the
+power of two covering the waiting rows that join it plus the rows already running its program
+(at most max_batch): a lone request decodes in a batch of one (as fast as the static scheduler),
+a loaded program grows. A batch is dropped when it runs empty (its compiled programs stay
+cached). Rows of one batch share the compiled settings; per-row knobs (threshold, temperature,
+seed, ...) differ freely. A job that fits no running batch waits for one to drain (FIFO among
+equals; other jobs may pass it). A job that cannot be planned, admitted or decoded fails alone
+(or with its batch, for a failing program); the scheduler goes on.
 
 Compilation never stalls the running rows: a new program (spec, prompt bucket, batch size) not yet
 compiled is compiled on a separate thread (`Generator.warm_segment_programs`, a throwaway batch);
@@ -33,15 +36,22 @@ import time
 
 import numpy as np
 
-from dinfer_jax.engine import bucket_gen_length, program_spec
-from dinfer_jax.server import Batcher, Cancelled
+from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, same_program
+from dinfer_jax.server import Batcher, Cancelled, log
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
-MIN_BATCH = 4  # smallest batch a new program gets (fewer distinct compiled sizes: 4, 8, ..., max_batch)
+LINEAR_PROMPT_BUCKETS = 4  # prompt buckets: PROMPT_BUCKET multiples up to 4 of them, then powers of two
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def prompt_bucket(n: int) -> int:
+    """The prompt length a batch is built for (rows of up to it join): 32, 64, 96, 128, then 256,
+    512, ... (fewer programs than the engine's multiples of 32; at most 2x padding past 128)."""
+    linear = -(-max(1, n) // PROMPT_BUCKET) * PROMPT_BUCKET
+    return linear if linear <= LINEAR_PROMPT_BUCKETS * PROMPT_BUCKET else _pow2(n)
 
 
 class ContinuousBatcher(Batcher):
@@ -55,9 +65,10 @@ class ContinuousBatcher(Batcher):
         self.batches: list = []
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dinfer-compile")
         self._compiling: dict = {}  # program key -> Future (background compiles)
+        self._compile_started: dict = {}  # program key -> monotonic start (the watchdog reads it)
         super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
         with self.cond:
-            for k in ("segments", "admitted", "running_rows", "background_compiles", "waiting_for_compile"):
+            for k in ("segments", "admitted", "running_rows", "background_compiles", "waiting_for_compile", "evicted"):
                 self.stats.setdefault(k, 0)
 
     # ---- background compilation (the compile thread)
@@ -70,7 +81,18 @@ class ContinuousBatcher(Batcher):
             fut = self._compiling.get(key)
             if fut is None:
                 widths = () if width is None else (width,)
-                fut = self._compiler.submit(self.gen.warm_segment_programs, spec, gen_start, batch, widths)
+
+                def compile_():
+                    self._compile_started[key] = time.monotonic()
+                    try:
+                        t = time.perf_counter()
+                        self.gen.warm_segment_programs(spec, gen_start, batch, widths)
+                        log.info("compiled a continuous batch program (B=%d, prompt bucket %d, gen %d%s) in "
+                                 "%.1fs", batch, gen_start, spec.gen_length, f", prefix width {width}" if width
+                                 else "", time.perf_counter() - t)
+                    finally:
+                        self._compile_started.pop(key, None)
+                fut = self._compiler.submit(compile_)
                 self._compiling[key] = fut
                 self.stats["background_compiles"] += 1
 
@@ -80,11 +102,32 @@ class ContinuousBatcher(Batcher):
                 fut.add_done_callback(wake)
         return fut
 
+    def _watch_more(self, now: float):
+        """The watchdog's compile check: jobs waiting beside a compile that runs past
+        cfg.compile_watchdog_s get 504 (the compile goes on; later jobs of its kind wait for it)."""
+        late = {k for k, t0 in list(self._compile_started.items()) if now - t0 > self.cfg.compile_watchdog_s}
+        for rb in list(self.batches):
+            key = (rb.spec, rb.gen_start, rb.B, None)
+            waiting = [j for j in list(rb.waiting) if not j.answered]
+            if key in late and waiting:
+                with self.cond:
+                    self.stats["compile_timeouts"] += 1
+                log.warning("watchdog: the compile of a B=%d program has run past %gs: %d waiting request(s) "
+                            "get 504", rb.B, self.cfg.compile_watchdog_s, len(waiting))
+                self._give_up(waiting, f"compiling this request's program exceeded the server's compile "
+                                       f"watchdog bound of {self.cfg.compile_watchdog_s:g}s")
+
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.pending and not any(rb.running or rb.waiting for rb in self.batches) and self.busy is None
+
     def _new_batch(self, params, size, max_prompt_len, gen_length=None):
-        rb = self.gen.running_batch(params, size, max_prompt_len, gen_length)
+        head_room = params.spec_for(self.gen.model.config).head_room
+        rb = self.gen.running_batch(params, size, prompt_bucket(max_prompt_len + head_room) - head_room, gen_length)
         rb.background = self._compile_async
         rb.waiting = []  # jobs assigned to this batch while its programs compile
         rb.compiling = None
+        rb.failed = False
         if not self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
             rb.compiling = self._compile_async(rb.spec, rb.gen_start, rb.B)
         return rb
@@ -92,59 +135,77 @@ class ContinuousBatcher(Batcher):
     # ---- --warmup (server.Batcher._main calls these before the first job)
 
     def _warmup_sizes(self) -> list[int]:
-        """The batch sizes `_pick` creates: powers of two from MIN_BATCH, capped at max_batch."""
-        sizes, b = [], min(self.cfg.max_batch, MIN_BATCH)
-        while b not in sizes:
+        """The batch sizes `_pick` creates: powers of two up to max_batch, and max_batch."""
+        sizes, b = [], 1
+        while b < self.cfg.max_batch:
             sizes.append(b)
-            b = min(self.cfg.max_batch, b * 2)
-        return sizes
+            b *= 2
+        return sizes + [self.cfg.max_batch]
+
+    def _warmup_prompts(self) -> list[np.ndarray]:
+        """One prompt per prompt bucket (`prompt_bucket`) up to cfg.warmup_prompt_len."""
+        mc = self.gen.model.config
+        tok = next(t for t in range(mc.vocab_size) if t not in (mc.mask_token_id, mc.eos_token_id))
+        buckets = sorted({prompt_bucket(n) for n in range(1, max(1, self.cfg.warmup_prompt_len) + 1)})
+        return [np.full((n,), tok, np.int32) for n in buckets]
 
     def _warmup_batch(self, p, size, ids) -> int:
-        """Compile a RunningBatch of `size` slots: fill it, run its segments until every row is done."""
-        mc = self.gen.model.config
-        rb = self.gen.running_batch(p, size, len(ids), bucket_gen_length(p.spec_for(mc)))
-        self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)  # what a new batch of this kind checks
-        rb.admit([(object(), ids, p) for _ in range(size)])
-        while rb.running:
-            rb.step(self.segment)
+        """Compile a RunningBatch of `size` slots for prompts of len(ids) (its bucket): what `_pick`
+        checks before a new batch of this kind runs."""
+        rb = self._new_batch(p, size, len(ids), bucket_gen_length(p.spec_for(self.gen.model.config)))
+        if self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
+            return 0
+        self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)
         return 1
 
     # ---- scheduling (scheduler thread)
 
     def _pick(self):
-        """Under the lock: pop the pending jobs that can start now -> [(RunningBatch, [jobs])]."""
+        """Under the lock: pop the pending jobs that can start now -> ([(RunningBatch, [jobs])],
+        [(job, exception)] for jobs that cannot be planned at all: they fail alone)."""
         self._drop(self._purge_locked())  # cancelled / expired jobs never start (server.Batcher)
         plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
         free = {id(rb): len(rb.free) - len(rb.waiting) for rb in self.batches}
-        rest = collections.deque()
-        new_batches = []
+        rest, new_batches, bad = collections.deque(), [], []
         while self.pending:
             j = self.pending.popleft()
-            n = len(j.prompt_ids)
-            fits = [rb for rb in self.batches + new_batches if rb.accepts(j.key) and rb.fits(n) and free[id(rb)] > 0]
-            if not fits and len(self.batches) + len(new_batches) < self.max_programs:
-                glen = bucket_gen_length(j.key)  # rows of any gen_length up to it share the program
-                prog = program_spec(j.key, glen)
-                same = [k for k in [j] + list(self.pending)
-                        if k.key.gen_length <= glen and program_spec(k.key, glen) == prog]
-                size = min(self.cfg.max_batch, max(_pow2(len(same)), MIN_BATCH))
-                rb = self._new_batch(j.params, size, max(len(k.prompt_ids) for k in same), glen)
-                new_batches.append(rb)
-                free[id(rb)] = rb.B
-                fits = [rb]
-            if not fits:
+            try:
+                rb = self._place(j, free, new_batches)
+            except Exception as e:  # e.g. InvalidParam: this job's settings; the others go on
+                bad.append((j, e))
+                continue
+            if rb is None:
                 rest.append(j)
                 continue
-            rb = min(fits, key=lambda r: r.gen_start)
             free[id(rb)] -= 1
             plan.setdefault(id(rb), (rb, []))[1].append(j)
         self.pending = rest
         self.batches += new_batches
         self.stats["batches"] += len(new_batches)
-        return list(plan.values())
+        return list(plan.values()), bad
+
+    def _place(self, j, free: dict, new_batches: list):
+        """The batch job j joins: a running one with a free slot, else a new one (when fewer than
+        max_programs exist), else None (it waits). A new batch is sized for the rows that will use
+        its program: the waiting jobs that join it plus the rows already running that program
+        (under load batches grow; a lone request gets a batch of one)."""
+        n = len(j.prompt_ids)
+        fits = [rb for rb in self.batches + new_batches if rb.accepts(j.key) and rb.fits(n) and free[id(rb)] > 0]
+        if not fits and len(self.batches) + len(new_batches) < self.max_programs:
+            glen = bucket_gen_length(j.key)  # rows of any gen_length up to it share the program
+            prog = program_spec(j.key, glen)
+            same = [k for k in [j] + list(self.pending) if same_program(k.key, prog)]
+            running = sum(rb.running for rb in self.batches if rb.spec == prog)
+            size = min(self.cfg.max_batch, _pow2(len(same) + running))
+            rb = self._new_batch(j.params, size, max(len(k.prompt_ids) for k in same), glen)
+            new_batches.append(rb)
+            free[id(rb)] = rb.B
+            fits = [rb]
+        return min(fits, key=lambda r: r.gen_start) if fits else None
 
     def _has_work(self) -> bool:
-        return bool(self.pending) or any(rb.running or (rb.waiting and rb.compiling.done()) for rb in self.batches)
+        return bool(self.pending) or any(rb.running or (rb.waiting and (rb.compiling is None or rb.compiling.done()))
+                                         for rb in self.batches)
 
     def _run(self):
         while True:
@@ -154,34 +215,58 @@ class ContinuousBatcher(Batcher):
                 if self._stop:
                     self._cancel_all()
                     return
-                plan = self._pick()
-            try:
-                for rb, jobs in plan:  # a batch whose programs are still compiling keeps them aside
-                    rb.waiting += jobs
-                for rb in list(self.batches):
+                plan, bad = self._pick()
+            for j, e in bad:
+                self._fail([j], e)
+            for rb, jobs in plan:  # a batch whose programs are still compiling keeps them aside
+                rb.waiting += jobs
+            for rb in list(self.batches):
+                try:
                     self._admit_waiting(rb)
-                for rb in list(self.batches):
-                    if rb.running:
+                except Exception as e:  # its rows and waiting jobs fail; the other batches go on
+                    self._fail_batch(rb, e)
+            for rb in list(self.batches):
+                if rb.running:
+                    try:
                         self._segment(rb)
-            except Exception as e:  # a failing program fails its rows; the server stays up
-                self._fail_all(e)
+                    except Exception as e:
+                        self._fail_batch(rb, e)
             with self.cond:
-                self.batches = [rb for rb in self.batches if rb.running or rb.waiting]
+                self.batches = [rb for rb in self.batches if (rb.running or rb.waiting) and not rb.failed]
                 self.stats["running_rows"] = sum(rb.running for rb in self.batches)
                 self.stats["waiting_for_compile"] = sum(len(rb.waiting) for rb in self.batches)
+
+    def _fail(self, jobs, exc: Exception):
+        with self.cond:
+            self.stats["failed"] += len(jobs)
+        if not isinstance(exc, InvalidParam):
+            log.error("%d request(s) failed: %s: %s", len(jobs), type(exc).__name__, exc)
+        for j in jobs:
+            self._finish(j, exc=exc)
+
+    def _fail_batch(self, rb, exc: Exception):
+        """A batch whose program or admission failed: its rows and waiting jobs fail, it is dropped
+        (its state is not trusted); a failed compile is retried by the next batch of its kind."""
+        jobs = [j for j in rb.slots + rb.waiting if j is not None]
+        rb.slots, rb.waiting, rb.state, rb.failed = [None] * rb.B, [], None, True
+        with self.cond:
+            self._compiling.pop((rb.spec, rb.gen_start, rb.B, None), None)
+        self._fail(jobs, exc)
+
+    def _recover(self, exc: Exception):
+        self.busy = None
+        for rb in list(self.batches):
+            self._fail_batch(rb, exc)
+        with self.cond:
+            self.batches = []
 
     def _admit_waiting(self, rb):
         if not rb.waiting or (rb.compiling is not None and not rb.compiling.done()):
             return
         jobs, rb.waiting = rb.waiting, []
         if rb.compiling is not None and rb.compiling.exception() is not None:
-            exc = rb.compiling.exception()
-            rb.compiling = None
-            with self.cond:  # the next batch of this kind tries again
-                self._compiling.pop((rb.spec, rb.gen_start, rb.B, None), None)
-                self.stats["failed"] += len(jobs)
-            for j in jobs:
-                self._finish(j, exc=exc)
+            rb.waiting = jobs
+            self._fail_batch(rb, rb.compiling.exception())  # the next batch of this kind tries again
             return
         gone = [j for j in jobs if j.cancelled]
         live = [j for j in jobs if not j.cancelled]
@@ -190,7 +275,8 @@ class ContinuousBatcher(Batcher):
                 self.stats["cancelled"] += len(gone)
             self._drop(gone)
         if live:
-            rb.admit([(j, np.asarray(j.prompt_ids, np.int32), j.params) for j in live])
+            with self.running(f"admission of {len(live)} row(s) (B={rb.B})", live):
+                rb.admit([(j, np.asarray(j.prompt_ids, np.int32), j.params) for j in live])
             with self.cond:
                 self.stats["admitted"] += len(live)
 
@@ -201,13 +287,14 @@ class ContinuousBatcher(Batcher):
             rb.evict(gone)
             with self.cond:
                 self.stats["cancelled"] += len(jobs)
-                self.stats["evicted"] = self.stats.get("evicted", 0) + len(jobs)
+                self.stats["evicted"] += len(jobs)
             for j in jobs:
                 self._finish(j, exc=Cancelled("the request was cancelled or its deadline passed while decoding"))
             if not rb.running:
                 return
         t = time.perf_counter()
-        finished = rb.step(self.segment)
+        with self.running(f"segment (B={rb.B}, {rb.running} row(s))", [j for j in rb.slots if j is not None]):
+            finished = rb.step(self.segment)
         with self.cond:  # "batches": programs started; "batch_sizes": rows decoding per segment
             self.stats["segments"] += 1
             self.stats["batch_sizes"][rb.running + len(finished)] += 1
@@ -232,19 +319,6 @@ class ContinuousBatcher(Batcher):
                     j.sent_blocks = n_blocks
                     ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)], j)
                     self._emit(j, ids)
-
-    def _fail_all(self, exc):
-        for rb in self.batches:
-            for b, j in enumerate(rb.slots):
-                if j is not None:
-                    self._finish(j, exc=exc)
-                    rb.slots[b] = None
-            for j in rb.waiting:
-                self._finish(j, exc=exc)
-            rb.waiting = []
-            rb.state = None
-        with self.cond:
-            self.stats["failed"] += 1
 
     def _cancel_all(self):
         exc = RuntimeError("the server is shutting down")

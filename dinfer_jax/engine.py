@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from dinfer_jax.sharding import to_host
-from dinfer_jax.decoding.loop import CACHES, KNOBS, ROW_KNOBS, DecodeSpec, generate_loop
+from dinfer_jax.decoding.loop import (CACHES, KNOBS, ROW_KNOBS, DecodeSpec, bucket_gen_length, generate_loop,
+                                      joins_program, program_spec, same_program)
 from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
@@ -30,11 +31,17 @@ class InvalidParam(ValueError):
 
 
 # Every per-field rule of SamplingParams: field -> (kind, low, low inclusive, high, high inclusive).
+# Upper bounds keep the loop's arithmetic finite in fp32 / bf16 (docs/decoding_bounds.md): a knob
+# travels as an fp32 per-row value (integers exact below 2**24); logits / T and T * Gumbel noise stay
+# below 1e7 for |logits| <= 1e4 when T is 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE].
 _INT, _FLOAT, _BOOL = "int", "float", "bool"
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+_KNOB_INT_MAX = 2**24  # largest integer an fp32 knob holds exactly
+_LARGE = 1e6  # bound of the unbounded-above float knobs (their rules saturate far below it)
 _RULES = {
-    "gen_length": (_INT, 1, True, None, False),
-    "block_length": (_INT, 1, True, None, False),
-    "steps": (_INT, 1, True, None, False),  # or None
+    "gen_length": (_INT, 1, True, _KNOB_INT_MAX, True),
+    "block_length": (_INT, 1, True, _KNOB_INT_MAX, True),
+    "steps": (_INT, 1, True, _KNOB_INT_MAX, True),  # or None
     "refresh_every": (_INT, 0, True, None, False),
     "prefix_look": (_INT, 0, True, None, False),
     "after_look": (_INT, 0, True, None, False),
@@ -42,25 +49,25 @@ _RULES = {
     "seed": (_INT, 0, True, 2**32, False),
     "threshold": (_FLOAT, 0.0, False, 1.0, True),
     "low_threshold": (_FLOAT, 0.0, False, 1.0, True),
-    "factor": (_FLOAT, 0.0, False, None, False),
-    "temperature": (_FLOAT, 0.0, True, None, False),
+    "factor": (_FLOAT, 0.0, False, _LARGE, True),
+    "temperature": (_FLOAT, 0.0, True, MAX_TEMPERATURE, True),
     "cont_weight": (_FLOAT, 0.0, True, 1.0, True),
-    "credit_alpha": (_FLOAT, 0.0, True, None, False),
-    "credit_gamma": (_FLOAT, 0.0, True, None, False),
+    "credit_alpha": (_FLOAT, 0.0, True, _LARGE, True),
+    "credit_gamma": (_FLOAT, 0.0, True, _LARGE, True),
     "credit_beta": (_FLOAT, 0.0, True, 1.0, True),
     "smoothing": (_BOOL,), "early_stop": (_BOOL,), "start_block_align": (_BOOL,), "indel": (_BOOL,),
     "editing_threshold": (_FLOAT, 0.0, True, 1.0, True),  # or None
     "max_post_steps": (_INT, 0, True, 1024, True),
-    "num_to_transfer": (_INT, 1, True, None, False),
-    "top_k": (_INT, 0, True, None, False),
+    "num_to_transfer": (_INT, 1, True, _KNOB_INT_MAX, True),
+    "top_k": (_INT, 0, True, _KNOB_INT_MAX, True),
     "top_p": (_FLOAT, 0.0, False, 1.0, True),
     "ignore_eos": (_BOOL,),
     "confidence_before_filter": (_BOOL,),
-    "min_tokens": (_INT, 0, True, None, False),
-    "alg_temp": (_FLOAT, 0.0, True, None, False),
+    "min_tokens": (_INT, 0, True, _KNOB_INT_MAX, True),
+    "alg_temp": (_FLOAT, 0.0, True, MAX_TEMPERATURE, True),
     "eps": (_FLOAT, 0.0, True, 1.0, False),
     "sub_block_length": (_INT, 0, True, None, False),
-    "eb_threshold": (_FLOAT, 0.0, False, None, False),
+    "eb_threshold": (_FLOAT, 0.0, False, _LARGE, True),
     "sub_block_cache": (_BOOL,),
 }
 EB_THRESHOLD = 0.35  # SDAR generate.py's --eb_threshold default
@@ -71,7 +78,9 @@ def _range_text(lo, lo_in, hi, hi_in) -> str:
         return f"{'>=' if lo_in else '>'} {lo}"
     if lo == 0 and hi == 2**32:
         return "in [0, 2**32)"
-    return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+    def num(x):
+        return f"{x:g}" if isinstance(x, float) and abs(x) >= 1e5 else f"{x}"
+    return f"in {'[' if lo_in else '('}{num(lo)}, {num(hi)}{']' if hi_in else ')'}"
 
 
 def _check_field(name: str, v):
@@ -90,6 +99,9 @@ def _check_field(name: str, v):
     ok = math.isfinite(v) and (v >= lo if lo_in else v > lo) and (hi is None or (v <= hi if hi_in else v < hi))
     if not ok:
         raise InvalidParam(name, f"{name}={v!r} must be {_range_text(lo, lo_in, hi, hi_in)}")
+    if name in ("temperature", "alg_temp") and 0 < v < MIN_TEMPERATURE:
+        raise InvalidParam(name, f"{name}={v!r} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]: "
+                                 f"a smaller one overflows logits / {name} in fp32")
     return v
 
 
@@ -288,8 +300,9 @@ class SamplingParams:
         return cls(**{**d, **overrides})
 
     def spec_for(self, cfg) -> DecodeSpec:
-        """`spec` with a model config's mask / EOS ids and logit shift."""
-        return self.spec(cfg.mask_token_id, cfg.eos_id, cfg.logit_shift)
+        """`spec` with a model config's mask / EOS ids and logit shift, checked against what the model
+        can decode (`check_model`)."""
+        return check_model(self.spec(cfg.mask_token_id, cfg.eos_id, cfg.logit_shift), cfg)
 
     def spec(self, mask_id: int, eos_id: int, logit_shift: int = 0) -> DecodeSpec:
         """The static part (the compiled program's key), after `validate`. logit_shift: the model's
@@ -443,6 +456,7 @@ class Generator:
             knobs = SamplingParams()  # knobs only (check=False): the batch's spec is fixed
             rb.admit([(0, np.full((1,), tok, np.int32), knobs)], check=False)
             rb.step(1)
+            rb.evict([0])  # a batch of one has no second free slot: the merge needs a running state
             rb.admit([(1, np.full((1,), tok, np.int32), knobs)], check=False)
             jax.block_until_ready(rb.state)
             self._warm.add(base)
@@ -460,12 +474,7 @@ class Generator:
         cfg = self.model.config
         spec = params.spec_for(cfg)
         if gen_length is not None:
-            if gen_length < spec.gen_length or gen_length % spec.block_length:
-                raise InvalidParam("gen_length", f"a program region of {gen_length} cannot hold rows of "
-                                                 f"{spec.gen_length} in blocks of {spec.block_length}")
             spec = program_spec(spec, gen_length)
-        if spec.cache == "block" and cfg.attention_mask != "block_causal":
-            raise InvalidParam("cache", "cache='block' (block diffusion) needs a block-causal model")
         return RunningBatch(self, spec, _bucket_len(max_prompt_len + spec.head_room), batch)
 
     def lower(self, prompts, params: SamplingParams, observe: bool = False):
@@ -487,14 +496,6 @@ class Generator:
         if bad:
             raise InvalidParam("params", f"params must be SamplingParams (or a list of them), got {bad[0]}")
         spec = per_row[0].spec_for(cfg)
-        if spec.cache == "block" and cfg.attention_mask != "block_causal":
-            raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
-                                        f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
-                                        f"dual or vicinity)")
-        if spec.indel and not {"delete_token_id", "split_token_id"} <= dict(cfg.extra_token_ids).keys():
-            raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) needs a model whose config declares "
-                                        f"delete_token_id and split_token_id; this {cfg.family} model declares "
-                                        f"{dict(cfg.extra_token_ids) or 'none'}")
         for i, p in enumerate(per_row[1:], 1):
             other = p.spec_for(cfg)
             if other != spec:
@@ -581,15 +582,18 @@ def knob_value(p: SamplingParams, k: str) -> float:
     return v
 
 
-def program_spec(spec: DecodeSpec, gen_length: int) -> DecodeSpec:
-    """spec with the program's generation region `gen_length` (>= the row's own): continuous batches
-    decode rows of different lengths in one program (each row stops at its own length)."""
-    return dataclasses.replace(spec, gen_length=gen_length)
-
-
-def bucket_gen_length(spec: DecodeSpec) -> int:
-    """The program gen length a row of spec.gen_length joins: blocks rounded up to a power of two."""
-    return spec.block_length * _bucket_batch(spec.gen_length // spec.block_length)
+def check_model(spec: DecodeSpec, cfg) -> DecodeSpec:
+    """spec, or InvalidParam when the model cannot decode it: block diffusion needs block-causal
+    attention; indel needs the model's DELETE / SPLIT token ids."""
+    if spec.cache == "block" and cfg.attention_mask != "block_causal":
+        raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
+                                    f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
+                                    f"dual or vicinity)")
+    if spec.indel and not {"delete_token_id", "split_token_id"} <= dict(cfg.extra_token_ids).keys():
+        raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) needs a model whose config declares "
+                                    f"delete_token_id and split_token_id; this {cfg.family} model declares "
+                                    f"{dict(cfg.extra_token_ids) or 'none'}")
+    return spec
 
 
 def own_sampler(cfg) -> bool:

@@ -34,6 +34,8 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
+import os
 import secrets
 import threading
 import time
@@ -43,7 +45,9 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dinfer_jax.engine import InvalidParam, SamplingParams
+from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, SamplingParams
+
+log = logging.getLogger("dinfer_jax.server")
 
 try:  # module level: FastAPI resolves the handlers' (string) annotations in this module
     from starlette.requests import Request
@@ -74,11 +78,28 @@ class Cancelled(Exception):
         self.status = status
 
 
+class WatchdogTimeout(Cancelled):
+    """A batch / segment / compile ran past the server's watchdog bound (504)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=504)
+
+
+@dataclasses.dataclass
+class Busy:
+    """What the scheduler thread runs now (the watchdog reads it): since when, what, for which jobs."""
+    started: float
+    what: str
+    jobs: list
+    flagged: bool = False
+
+
 class DinferFields(BaseModel):
     """Extra body fields: dInfer's decoding settings (None = the server's default). Only their
-    types are declared here; their rules live in SamplingParams (one place for the CLI, the library
-    and the server), whose InvalidParam becomes a 400 naming the field."""
-    model_config = ConfigDict(extra="forbid")
+    types are declared here (strictly: `true` is no integer, "yes" no boolean); their rules live in
+    SamplingParams (one place for the CLI, the library and the server), whose InvalidParam becomes a
+    400 naming the field."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     threshold: Optional[float] = None
     low_threshold: Optional[float] = None
     block_length: Optional[int] = None
@@ -128,6 +149,10 @@ class ChatRequest(CommonFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
 
+MiB = 2 ** 20
+CHARS_PER_TOKEN_BOUND = 16  # a prompt longer than this many characters per allowed token is refused unread
+
+
 @dataclasses.dataclass
 class ServerConfig:
     model_name: str
@@ -144,7 +169,16 @@ class ServerConfig:
     max_post_steps: int = 64  # largest `max_post_steps` (block diffusion with editing)
     request_timeout_s: Optional[float] = 600.0  # None: no deadline
     warmup: bool = False  # compile the default settings' batch buckets before admitting traffic
+    # --warmup: the max_tokens values whose programs are compiled (default: default_max_tokens), for
+    # prompts up to warmup_prompt_len tokens (every prompt bucket up to it)
+    warmup_max_tokens: tuple = ()
+    warmup_prompt_len: int = 32
     prefix_cache_mb: float = 256.0  # continuous scheduler, block-causal models: prompt-block K/V cache (0: off)
+    max_body_bytes: int = 8 * MiB  # larger request bodies: 413 before they are read whole
+    max_prompt_chars: Optional[int] = None  # default: CHARS_PER_TOKEN_BOUND x the maximum length
+    watchdog_s: float = 300.0  # a segment / batch running longer: its requests get 504, /metrics counts it
+    compile_watchdog_s: float = 900.0  # a background compile running longer: its waiting requests get 504
+    drain_timeout_s: float = 60.0  # SIGTERM: in-flight requests get this long before the server stops
 
 
 @dataclasses.dataclass
@@ -160,28 +194,48 @@ class Job:
     sent_text: str = ""
     sent_blocks: int = 0
     deadline: Optional[float] = None  # time.monotonic() after which the job is not started
-    cancelled: bool = False  # set by the request handler (timeout, client gone)
+    cancelled: bool = False  # set by the request handler (timeout, client gone) or the watchdog
+    answered: bool = False  # its result / error was handed to its future (once, whoever comes first)
 
     def expired(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
 
 
-def derive_params(d: SamplingParams, upd: dict, max_tokens: int) -> SamplingParams:
+def derive_params(d: SamplingParams, upd: dict, max_tokens: int, model_cfg=None) -> SamplingParams:
     """A request's SamplingParams: the server defaults `d` with the body's fields `upd`; the block
     is at most max_tokens, gen_length is max_tokens rounded up to whole blocks, and fixed / random / dream
-    strategies default to one step per token. InvalidParam on a bad value."""
+    strategies default to one step per token. A server default that a rule between fields refuses
+    next to the request's own fields (Dream's `alg` after `"strategy": "threshold"`, LLaDA2's block
+    settings after `"cache": "dual"`) yields: it falls back to SamplingParams' own default. The
+    result is checked against the model (`spec_for`) when model_cfg is given. InvalidParam on a bad
+    value, naming a field the request set."""
     upd = dict(upd)
     block = min(dataclasses.replace(d, **upd).block_length, max_tokens)  # the engine's rules (InvalidParam)
     upd["block_length"] = block
     upd["gen_length"] = -(-max_tokens // block) * block
     if upd.get("strategy", d.strategy) in ("fixed", "random", "dream") and "steps" not in upd:
         upd["steps"] = upd["gen_length"]
-    return dataclasses.replace(d, **upd)
+    p = dataclasses.replace(d, **upd)
+    own = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    for _ in range(len(own)):
+        try:
+            p.spec_for(model_cfg) if model_cfg is not None else p.validate()
+            return p
+        except InvalidParam as e:
+            if e.field in upd or e.field not in own or getattr(p, e.field) == own[e.field]:
+                raise
+            p = dataclasses.replace(p, **{e.field: own[e.field]})  # the server's default yields
+    return p
 
 
-def warmup_params(cfg: ServerConfig) -> SamplingParams:
-    """The settings `--warmup` compiles: the server's defaults at default_max_tokens."""
-    return derive_params(cfg.default_params, {}, cfg.default_max_tokens)
+def warmup_params(cfg: ServerConfig, max_tokens: Optional[int] = None) -> SamplingParams:
+    """The settings `--warmup` compiles: the server's defaults at max_tokens (default_max_tokens)."""
+    return derive_params(cfg.default_params, {}, max_tokens or cfg.default_max_tokens)
+
+
+def warmup_lengths(cfg: ServerConfig) -> list[int]:
+    """The max_tokens values `--warmup` compiles programs for."""
+    return sorted(set(cfg.warmup_max_tokens or (cfg.default_max_tokens,)))
 
 
 class Batcher:
@@ -189,7 +243,10 @@ class Batcher:
 
     cfg.warmup: the default settings' programs are compiled (`_warmup_sizes` x `_warmup_batch`)
     before the first job; `ready` is set after. Subclasses (continuous.py) override `_run`; the
-    thread runs `_main`: warmup, ready, `_run`."""
+    thread runs `_main`: warmup, ready, `_run` -- restarted after any exception that escapes it
+    (the requests it concerned fail, the loop goes on: `alive()` stays true).
+    A watchdog thread answers 504 to the requests of a batch / segment running past
+    cfg.watchdog_s (counted in /metrics; `stuck()` while it lasts: /health answers 503)."""
 
     def __init__(self, generator, tokenizer, cfg: ServerConfig):
         self.gen, self.tok, self.cfg = generator, tokenizer, cfg
@@ -200,7 +257,10 @@ class Batcher:
         self.cond = threading.Condition()
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "cancelled": 0,
                       "batches": 0, "max_batch_size": 0, "batch_sizes": collections.Counter(),
-                      "generated_tokens": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None}
+                      "generated_tokens": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None,
+                      "scheduler_errors": 0, "watchdog_timeouts": 0, "compile_timeouts": 0}
+        self.busy: Optional[Busy] = None  # the scheduler's current batch / segment (the watchdog reads it)
+        self._answer_lock = threading.Lock()
         self.ready = threading.Event()
         self.draining = False  # set on SIGTERM: new requests get 503
         self._recent: collections.deque = collections.deque()  # (monotonic end, tokens) of recent batches
@@ -209,6 +269,61 @@ class Batcher:
         self._stop = False
         self.thread = threading.Thread(target=self._main, name="dinfer-batcher", daemon=True)
         self.thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="dinfer-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # ---- health and the watchdog
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing decoding."""
+        with self.cond:
+            return not self.pending and not self.stats["running_rows"] and self.busy is None
+
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (it only ends at close())."""
+        return self.thread.is_alive() and not self._stop
+
+    def stuck(self) -> Optional[str]:
+        """What the scheduler has been running past the watchdog bound, or None."""
+        b = self.busy
+        return f"{b.what} running for {time.monotonic() - b.started:.0f}s" if b is not None and b.flagged else None
+
+    def running(self, what: str, jobs: list):
+        """Context: the scheduler runs `what` for `jobs` (the watchdog's view)."""
+        batcher = self
+
+        class _Running:
+            def __enter__(self):
+                batcher.busy = Busy(time.monotonic(), what, list(jobs))
+
+            def __exit__(self, *exc):
+                batcher.busy = None
+        return _Running()
+
+    def _watch(self):
+        period = max(0.05, min(1.0, self.cfg.watchdog_s / 10, self.cfg.compile_watchdog_s / 10))
+        while not self._stop:
+            time.sleep(period)
+            now = time.monotonic()
+            b = self.busy
+            if b is not None and not b.flagged and now - b.started > self.cfg.watchdog_s:
+                b.flagged = True
+                with self.cond:
+                    self.stats["watchdog_timeouts"] += 1
+                log.warning("watchdog: %s has run %.1fs (bound %gs): its %d request(s) get 504", b.what,
+                            now - b.started, self.cfg.watchdog_s, len(b.jobs))
+                self._give_up(b.jobs, f"decoding ({b.what}) exceeded the server's watchdog bound of "
+                                      f"{self.cfg.watchdog_s:g}s")
+            self._watch_more(now)
+
+    def _watch_more(self, now: float):
+        """Subclass hook: more watchdog checks (continuous.py: background compiles)."""
+
+    def _give_up(self, jobs, message: str):
+        """Answer `jobs` 504 now and mark them cancelled (the scheduler drops them when it can)."""
+        for j in jobs:
+            j.cancelled = True
+            self._finish(j, exc=WatchdogTimeout(message))
 
     def submit(self, job: Job):
         self.submit_all([job])
@@ -294,7 +409,18 @@ class Batcher:
             ("dinfer_compile_cache_misses_total", "counter", "programs compiled and written to the cache",
              cc["misses"]),
             ("dinfer_compile_seconds_total", "counter", "seconds spent in XLA backend compiles", cc["compile_seconds"]),
+            ("dinfer_scheduler_alive", "gauge", "1 while the scheduler thread runs", int(self.alive())),
+            ("dinfer_scheduler_errors_total", "counter", "exceptions the scheduler loop recovered from",
+             s["scheduler_errors"]),
+            ("dinfer_watchdog_timeouts_total", "counter", "batches / segments that ran past --watchdog (504s)",
+             s["watchdog_timeouts"]),
+            ("dinfer_compile_timeouts_total", "counter", "background compiles that ran past --compile-watchdog",
+             s["compile_timeouts"]),
+            ("dinfer_warmup_programs", "gauge", "programs compiled by --warmup", s["warmup_programs"]),
         ]
+        if "background_compiles" in s:
+            rows.append(("dinfer_background_compiles_total", "counter", "programs compiled off the scheduler "
+                         "thread while serving", s["background_compiles"]))
         pc = s.get("prefix_cache")
         if pc is not None:
             rows += [
@@ -349,20 +475,47 @@ class Batcher:
             self.gen.generate([ids] * size, p, observer=observer)
         return 2
 
+    def _warmup_prompts(self) -> list[np.ndarray]:
+        """One prompt per prompt-length bucket up to cfg.warmup_prompt_len (the static scheduler's
+        buckets: engine's multiples of PROMPT_BUCKET)."""
+        mc = self.gen.model.config
+        tok = next(t for t in range(mc.vocab_size) if t not in (mc.mask_token_id, mc.eos_token_id))
+        lens = range(1, max(1, self.cfg.warmup_prompt_len) + 1, PROMPT_BUCKET)
+        return [np.full((n,), tok, np.int32) for n in lens]
+
     def _main(self):
         if self._warmup is not None:
-            mc = self.gen.model.config
-            tok = next(t for t in range(mc.vocab_size) if t not in (mc.mask_token_id, mc.eos_token_id))
+            t = time.perf_counter()
             try:
-                for size in self._warmup_sizes():
-                    n = self._warmup_batch(self._warmup, size, np.asarray([tok], np.int32))
-                    with self.cond:
-                        self.stats["warmup_programs"] += n
+                for max_tokens in warmup_lengths(self.cfg):
+                    p = warmup_params(self.cfg, max_tokens)
+                    for ids in self._warmup_prompts():
+                        for size in self._warmup_sizes():
+                            n = self._warmup_batch(p, size, ids)
+                            with self.cond:
+                                self.stats["warmup_programs"] += n
             except Exception as e:  # the server still serves; /stats shows why warmup stopped
+                log.warning("warmup stopped: %s: %s", type(e).__name__, e)
                 with self.cond:
                     self.stats["warmup_error"] = f"{type(e).__name__}: {e}"
+            log.info("warmup: %d programs in %.1fs", self.stats["warmup_programs"], time.perf_counter() - t)
         self.ready.set()
-        self._run()
+        while not self._stop:
+            try:
+                self._run()
+            except Exception as e:  # a scheduler bug: the requests in flight fail, the loop goes on
+                log.exception("scheduler error (recovered): %s", e)
+                with self.cond:
+                    self.stats["scheduler_errors"] += 1
+                self._recover(e)
+
+    def _recover(self, exc: Exception):
+        """After an exception escaped `_run`: fail what was in flight (subclasses hold more)."""
+        b = self.busy
+        self.busy = None
+        if b is not None:
+            for j in b.jobs:
+                self._finish(j, exc=exc)
 
     def _run(self):
         while True:
@@ -372,7 +525,8 @@ class Batcher:
             if not batch:
                 continue
             try:
-                self._decode(batch)
+                with self.running(f"batch of {len(batch)}", batch):
+                    self._decode(batch)
             except Exception as e:  # the batch fails, the server stays up
                 with self.cond:
                     self.stats["failed"] += len(batch)
@@ -431,7 +585,12 @@ class Batcher:
                 job.cancelled = True
 
     def _finish(self, job: Job, result=None, exc=None):
-        """Answer a job (any scheduler): its seed is added to the result, its tokens counted."""
+        """Answer a job (any scheduler; once: later answers are ignored): its seed is added to the
+        result, its tokens counted."""
+        with self._answer_lock:
+            if job.answered:
+                return
+            job.answered = True
         if result is not None:
             result = {**result, "seed": job.params.seed}
             with self.cond:
@@ -444,16 +603,130 @@ class Batcher:
         def done():
             if job.future.done():
                 return
-            if job.cancelled:  # nobody waits for it (timed out / client gone): no unretrieved exception
+            if job.cancelled and not isinstance(exc, WatchdogTimeout):  # nobody waits (timed out / client gone)
                 job.future.cancel()
             elif exc is not None:
                 job.future.set_exception(exc)
+                job.future.exception()  # retrieved: no "never retrieved" warning when nobody awaits it
             else:
                 job.future.set_result(result)
         try:
             job.loop.call_soon_threadsafe(done)
         except RuntimeError:  # the request's event loop is closed: nobody waits for this result
             pass
+
+
+def memory_bytes(model) -> tuple[int, str]:
+    """(bytes of memory the model's device offers, what it is): the accelerator's memory limit,
+    or on CPU the host's physical memory."""
+    import jax
+    dev = jax.tree_util.tree_leaves(model.params)[0].devices().pop()
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{dev.device_kind} memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def check_server_config(model, cfg: ServerConfig) -> None:
+    """The server's options against the model and the machine, before anything is served:
+    ValueError (one line) naming the option that cannot work."""
+    import jax
+    mc = model.config
+    max_len = cfg.max_model_len or mc.max_position_embeddings
+    problems = []
+    if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+        problems.append(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                        f"{mc.max_position_embeddings}")
+    if cfg.default_max_tokens >= max_len:
+        problems.append(f"--default-max-tokens {cfg.default_max_tokens} leaves no room for a prompt in the maximum "
+                        f"length {max_len}")
+    elif cfg.max_tokens >= max_len:
+        log.warning("--max-tokens %d: requests are bounded by the maximum length %d (prompt + max_tokens)",
+                    cfg.max_tokens, max_len)
+    if cfg.default_max_tokens > cfg.max_tokens:
+        problems.append(f"--default-max-tokens {cfg.default_max_tokens} exceeds --max-tokens {cfg.max_tokens}")
+    if any(not 0 < n <= cfg.max_tokens for n in cfg.warmup_max_tokens):
+        problems.append(f"--warmup-max-tokens {','.join(map(str, cfg.warmup_max_tokens))}: each must be in "
+                        f"[1, --max-tokens {cfg.max_tokens}]")
+    if cfg.warmup_prompt_len + min(cfg.warmup_max_tokens or (cfg.default_max_tokens,)) > max_len:
+        problems.append(f"--warmup-prompt-len {cfg.warmup_prompt_len} leaves no room to generate in the maximum "
+                        f"length {max_len}")
+    for name, v in (("--batch-wait-ms", cfg.batch_wait_s), ("--watchdog", cfg.watchdog_s),
+                    ("--compile-watchdog", cfg.compile_watchdog_s), ("--drain-timeout", cfg.drain_timeout_s)):
+        if not (v >= 0 and v < float("inf")):
+            problems.append(f"{name} must be a finite number >= 0, got {v}")
+    if cfg.max_body_bytes < 1024:
+        problems.append(f"--max-body-mb allows only {cfg.max_body_bytes} bytes: no request fits")
+    if problems:
+        raise ValueError("; ".join(problems))
+    mem, what = memory_bytes(model)
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    free = mem - weights
+    itemsize = np.dtype(model.module.dtype).itemsize
+    row_kv = 2 * mc.num_layers * max_len * mc.num_kv_heads * mc.head_dim * itemsize  # one max-length row's K/V
+    pool = int(cfg.prefix_cache_mb * MiB) if mc.attention_mask == "block_causal" and cfg.scheduler == "continuous" else 0
+    gib = 2 ** 30
+    if pool + row_kv > free:
+        raise ValueError(f"--prefix-cache-mb {cfg.prefix_cache_mb:g} ({pool / gib:.1f} GiB) plus one row's K/V at the "
+                         f"maximum length {max_len} ({row_kv / gib:.2f} GiB) does not fit the {free / gib:.1f} GiB of "
+                         f"{what} left after the weights ({weights / gib:.1f} GiB)")
+    if pool + cfg.max_batch * row_kv > free:
+        log.warning("--max-batch %d rows at the maximum length %d need %.1f GiB of K/V; %.1f GiB of %s are left "
+                    "after the weights and the prefix cache: long requests may fail to allocate", cfg.max_batch,
+                    max_len, cfg.max_batch * row_kv / gib, (free - pool) / gib, what)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class RequestGate:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before it is read whole (by its
+    Content-Length, else while it streams in); `inflight` counts the HTTP requests being answered
+    (SIGTERM waits for it to reach 0)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.inflight = app, limit, 0
+
+    async def _too_large(self, send, n: str):
+        body = json.dumps({"error": {"message": f"request body of {n} bytes exceeds this server's limit of "
+                                                f"{self.limit} bytes (--max-body-mb)", "type": "invalid_request_error",
+                                     "param": None, "code": None}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(send, declared.decode())
+        seen, started = 0, False
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return msg
+
+        async def tracked_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        self.inflight += 1
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large(send, f"more than {self.limit}")
+        finally:
+            self.inflight -= 1
 
 
 def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
@@ -464,11 +737,12 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    if cfg.warmup:
-        try:
-            warmup_params(cfg).spec_for(model.config)
-        except InvalidParam as e:
-            raise InvalidParam(e.field, f"the server's default settings are invalid: {e}") from None
+    check_server_config(model, cfg)
+    try:
+        for n in warmup_lengths(cfg):
+            derive_params(cfg.default_params, {}, n, model.config)
+    except InvalidParam as e:
+        raise InvalidParam(e.field, f"the server's default settings are invalid for this model: {e}") from None
     if cfg.scheduler == "continuous":
         from dinfer_jax.continuous import ContinuousBatcher
         batcher = ContinuousBatcher(model.generator, tokenizer, cfg, segment=cfg.segment)
@@ -479,15 +753,17 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     max_len = cfg.max_model_len or model.config.max_position_embeddings
     app = FastAPI(title="dinfer-jax", version="1")
     app.state.batcher = batcher
+    app.add_middleware(RequestGate, limit=cfg.max_body_bytes)
 
     def error(status: int, message: str, param: str | None = None, etype: str = "invalid_request_error"):
         return JSONResponse(status_code=status, content={"error": {"message": message, "type": etype,
                                                                    "param": param, "code": None}})
 
     class BadRequest(Exception):
-        def __init__(self, message, param=None, status=400):
+        def __init__(self, message, param=None, status=400, etype=None):
             super().__init__(message)
             self.message, self.param, self.status = message, param, status
+            self.etype = etype or ("server_overloaded" if status == 503 else "invalid_request_error")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
@@ -495,14 +771,16 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         parts = []
         for e in errs[:5]:
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            if e.get("type") == "json_invalid":
+            if e.get("type") == "json_invalid":  # its loc is a character offset, not a field
                 parts.append(f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
             elif e.get("type") == "extra_forbidden":
                 parts.append(f"unknown parameter {loc!r}")
             else:
                 parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        first = errs[0].get("loc", ()) if errs else ()
-        return error(400, "; ".join(parts) or "invalid request", ".".join(str(x) for x in first if x != "body") or None)
+        first = errs[0] if errs else {}
+        param = None if first.get("type") == "json_invalid" else (
+            ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None)
+        return error(400, "; ".join(parts) or "invalid request", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -510,7 +788,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
 
     @app.exception_handler(BadRequest)
     async def _bad(request, exc: BadRequest):
-        return error(exc.status, exc.message, exc.param, "server_overloaded" if exc.status == 503 else "invalid_request_error")
+        return error(exc.status, exc.message, exc.param, exc.etype)
 
     @app.exception_handler(ClientGone)
     async def _gone(request, exc: ClientGone):
@@ -542,15 +820,22 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if req.top_p is not None:
             upd["top_p"] = req.top_p
         try:
-            p = derive_params(d, upd, max_tokens)
-            p.spec_for(model.config)
+            p = derive_params(d, upd, max_tokens, model.config)  # the model's own rules too (cache, indel)
         except InvalidParam as e:
             raise BadRequest(str(e), e.field) from None
         if req.seed is None and p.temperature > 0:
             return [dataclasses.replace(p, seed=secrets.randbits(32)) for _ in range(n_prompts)]
         return [p] * n_prompts
 
+    max_chars = cfg.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_len
+
     def encode(prompt, what="prompt", allow_special=False) -> list[int]:
+        """Text or ids -> checked ids (run off the event loop: `encode_all`). Lengths are bounded
+        before tokenizing: at most max_chars characters, max_len ids."""
+        if len(prompt) > (max_chars if isinstance(prompt, str) else max_len):
+            unit, n = ("characters", max_chars) if isinstance(prompt, str) else ("token ids", max_len)
+            raise BadRequest(f"{what} has {len(prompt)} {unit}; this server takes at most {n} (its maximum "
+                             f"length is {max_len} tokens)", what)
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise BadRequest(f"{what}: this model has no tokenizer.json; send token ids", what)
@@ -567,6 +852,10 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if bad:
             raise BadRequest(f"{what}: token id {bad[0]} is out of range or the mask token", what)
         return ids
+
+    async def encode_all(prompts, what="prompt", allow_special=False) -> list[list[int]]:
+        """encode() for each prompt on a worker thread: a long prompt never blocks the event loop."""
+        return await asyncio.to_thread(lambda: [encode(x, what, allow_special) for x in prompts])
 
     def limits(ids: list[int], max_tokens: int, p: SamplingParams):
         if len(ids) + p.gen_length > max_len:
@@ -630,9 +919,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         except asyncio.CancelledError:  # the handler was cancelled (client gone)
             cancel(jobs)
             raise
+        except WatchdogTimeout as e:
+            raise BadRequest(str(e), status=504, etype="timeout") from None
         except Cancelled as e:
             cancel(jobs)
             raise (timed_out() if e.status == 504 else BadRequest(str(e), status=e.status)) from None
+        except InvalidParam as e:  # the engine refused a request that passed the checks here
+            raise BadRequest(str(e), e.field) from None
         finally:
             if not fut.done():
                 fut.cancel()
@@ -650,6 +943,11 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     async def health():
         if batcher.draining:
             return JSONResponse(status_code=503, content={"status": "shutting down"})
+        if not batcher.alive():
+            return JSONResponse(status_code=503, content={"status": "scheduler stopped"})
+        stuck = batcher.stuck()
+        if stuck:
+            return JSONResponse(status_code=503, content={"status": f"scheduler stuck: {stuck}"})
         if not batcher.ready.is_set():
             return JSONResponse(status_code=503, content={"status": "warming up"})
         return {"status": "ok"}
@@ -683,7 +981,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if req.stream and len(items) > 1:
             raise BadRequest("stream=true takes one prompt per request", "prompt")
         params = sampling(req, max_tokens, len(items))
-        ids_list = [encode(x) for x in items]
+        ids_list = await encode_all(items)
         for ids in ids_list:
             limits(ids, max_tokens, params[0])
         jobs = await run_jobs(ids_list, params, max_tokens, req.stream)
@@ -749,20 +1047,23 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest("this model folder has no tokenizer.json, so chat is unavailable; use /v1/completions "
                              "with token ids")
         from dinfer_jax.chat import ChatTemplateError
-        for i, m in enumerate(req.messages):  # user text must not smuggle in special tokens
-            content = m.get("content") if isinstance(m, dict) else None
-            parts = [content] if isinstance(content, str) else [
-                c.get("text") for c in content or [] if isinstance(c, dict) and isinstance(c.get("text"), str)] \
-                if isinstance(content, list) else []
-            for part in filter(None, parts):
-                encode(part, f"messages[{i}].content")
-        try:
-            text = chat_formatter(req.messages)
-        except ChatTemplateError as e:
-            raise BadRequest(str(e), "messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
         params = sampling(req, max_tokens)
-        ids = encode(text, "messages", allow_special=True)
+
+        def render() -> list[int]:  # on a worker thread: templates and tokenizing take time
+            for i, m in enumerate(req.messages):  # user text must not smuggle in special tokens
+                content = m.get("content") if isinstance(m, dict) else None
+                parts = [content] if isinstance(content, str) else [
+                    c.get("text") for c in content or [] if isinstance(c, dict) and isinstance(c.get("text"), str)] \
+                    if isinstance(content, list) else []
+                for part in filter(None, parts):
+                    encode(part, f"messages[{i}].content")
+            try:
+                text = chat_formatter(req.messages)
+            except ChatTemplateError as e:
+                raise BadRequest(str(e), "messages") from None
+            return encode(text, "messages", allow_special=True)
+        ids = await asyncio.to_thread(render)
         limits(ids, max_tokens, params[0])
         jobs = await run_jobs([ids], params, max_tokens, req.stream)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}
@@ -803,15 +1104,38 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     return app
 
 
+def _gate(app) -> Optional[RequestGate]:
+    """The app's RequestGate instance (built by Starlette with the middleware stack)."""
+    node = getattr(app, "middleware_stack", None)
+    while node is not None and not isinstance(node, RequestGate):
+        node = getattr(node, "app", None)
+    return node
+
+
 def make_server(app, host: str, port: int, log_level: str = "info"):
-    """A uvicorn.Server whose SIGTERM / SIGINT first marks the app draining (new requests and
-    /health answer 503), then lets uvicorn stop listening, finish in-flight requests and exit."""
+    """A uvicorn.Server whose SIGTERM / SIGINT drains: the app is marked draining (new requests
+    and /health answer 503 while the server keeps listening), then, once no request is in flight
+    and nothing decodes (or after cfg.drain_timeout_s), uvicorn stops and the process exits. A
+    second signal stops at once."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            app.state.batcher.draining = True
-            super().handle_exit(sig, frame)
+            batcher = app.state.batcher
+            if batcher.draining:  # the second signal
+                return super().handle_exit(sig, frame)
+            batcher.draining = True
+            end = time.monotonic() + batcher.cfg.drain_timeout_s
+
+            def drain():
+                gate = _gate(app)
+                while time.monotonic() < end:
+                    idle = batcher.idle() and (gate is None or gate.inflight == 0)
+                    if idle:
+                        break
+                    time.sleep(0.05)
+                uvicorn.Server.handle_exit(self, sig, frame)
+            threading.Thread(target=drain, name="dinfer-drain", daemon=True).start()
 
     return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level))
 

@@ -444,3 +444,29 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
     branches = [branch(j) for j in range(spec.num_blocks)]
     logits = jax.lax.cond(jnp.any(need_win), lambda _: jax.lax.switch(j_min, branches, None), skip_prefix, None)
     return logits, None, None
+
+
+def joins_program(spec: DecodeSpec, gen_length: int) -> bool:
+    """Whether a row decoded with `spec` can run in a program whose generation region is
+    `gen_length`: its own region fits, in whole blocks of its block length."""
+    return spec.gen_length <= gen_length and gen_length % spec.block_length == 0
+
+
+def program_spec(spec: DecodeSpec, gen_length: int) -> DecodeSpec:
+    """spec with the program's generation region `gen_length` (>= the row's own, whole blocks:
+    `joins_program`): continuous batches decode rows of different lengths in one program (each row
+    stops at its own length)."""
+    if not joins_program(spec, gen_length):
+        raise ValueError(f"a program region of {gen_length} cannot hold rows of "
+                         f"{spec.gen_length} in blocks of {spec.block_length}")
+    return dataclasses.replace(spec, gen_length=gen_length)
+
+
+def same_program(spec: DecodeSpec, program: DecodeSpec) -> bool:
+    """Whether a row decoded with `spec` can join a batch compiled for `program`."""
+    return joins_program(spec, program.gen_length) and program_spec(spec, program.gen_length) == program
+
+
+def bucket_gen_length(spec: DecodeSpec) -> int:
+    """The program gen length a row of spec.gen_length joins: blocks rounded up to a power of two."""
+    return spec.block_length * (1 << max(0, (spec.gen_length // spec.block_length - 1).bit_length()))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats
+from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, same_program
 
 BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K, H) caches)
 
@@ -133,8 +133,7 @@ class RunningBatch:
     def accepts(self, spec: DecodeSpec) -> bool:
         """Whether a row decoded with `spec` (its own gen_length) can join this batch: the same
         settings and a gen_length within the program's region."""
-        from dinfer_jax.engine import program_spec
-        return spec.gen_length <= self.spec.gen_length and program_spec(spec, self.spec.gen_length) == self.spec
+        return same_program(spec, self.spec)
 
     def admit(self, items, check: bool = True) -> list[int]:
         """items: [(tag, prompt ids (1-D int array), SamplingParams)] with the batch's spec, at most
