@@ -228,7 +228,9 @@ class ContinuousBatcher(Batcher):
             for rb in list(self.batches):
                 if rb.running:
                     try:
-                        self._segment(rb)
+                        with self.running(f"segment (B={rb.B}, {rb.running} row(s))",
+                                          [j for j in rb.slots if j is not None]):
+                            self._segment(rb)
                     except Exception as e:
                         self._fail_batch(rb, e)
             with self.cond:
@@ -293,8 +295,7 @@ class ContinuousBatcher(Batcher):
             if not rb.running:
                 return
         t = time.perf_counter()
-        with self.running(f"segment (B={rb.B}, {rb.running} row(s))", [j for j in rb.slots if j is not None]):
-            finished = rb.step(self.segment)
+        finished = rb.step(self.segment)
         with self.cond:  # "batches": programs started; "batch_sizes": rows decoding per segment
             self.stats["segments"] += 1
             self.stats["batch_sizes"][rb.running + len(finished)] += 1

@@ -676,10 +676,6 @@ def check_server_config(model, cfg: ServerConfig) -> None:
                     max_len, cfg.max_batch * row_kv / gib, (free - pool) / gib, what)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class RequestGate:
     """ASGI middleware: a request body over `limit` bytes gets 413 before it is read whole (by its
     Content-Length, else while it streams in); `inflight` counts the HTTP requests being answered
@@ -703,28 +699,28 @@ class RequestGate:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._too_large(send, declared.decode())
-        seen, started = 0, False
+        seen, refused = 0, False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge()
+                if seen > self.limit:  # answer 413 now; the app sees the client leave
+                    refused = True
+                    await self._too_large(send, f"more than {self.limit}")
+                    return {"type": "http.disconnect"}
             return msg
 
-        async def tracked_send(msg):
-            nonlocal started
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
+        async def guarded_send(msg):
+            if not refused:  # after a 413 the app's own answer is dropped
+                await send(msg)
 
         self.inflight += 1
         try:
-            await self.app(scope, limited_receive, tracked_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._too_large(send, f"more than {self.limit}")
+            await self.app(scope, limited_receive, guarded_send)
         finally:
             self.inflight -= 1
 
@@ -928,7 +924,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest(str(e), e.field) from None
         finally:
             if not fut.done():
-                fut.cancel()
+                fut.cancel()  # it ends later, with CancelledError as its exception: retrieve that then
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "never retrieved" warning
 

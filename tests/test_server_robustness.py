@@ -1,0 +1,340 @@
+"""A hostile user against `dinfer-jax serve` (real uvicorn on a loopback port, the shipped demo
+models, both schedulers): every invalid request is a 4xx within a second and the next ordinary
+request still gets the engine's answer; requests of mixed lengths / blocks decode together;
+a failing or stuck batch fails only its own requests; bodies and prompts are bounded before they
+are read; a new length compiles without delaying the warmed ones; options are checked at startup."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import json
+import logging
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from bench.serve_load import InProcessServer  # noqa: E402
+from demo_helpers import demo  # noqa: E402
+
+from dinfer_jax.server import ServerConfig, derive_params  # noqa: E402
+
+PROMPT = "add 123+045="
+
+
+def _block_demo():
+    from dinfer_jax import load_model
+    from dinfer_jax.checkpoint import DEMO_BLOCK_MODEL_DIR
+    from dinfer_jax.tokenizer import load_tokenizer
+    return load_model(DEMO_BLOCK_MODEL_DIR), load_tokenizer(DEMO_BLOCK_MODEL_DIR)
+
+
+def _engine(model, tok, cfg: ServerConfig, body: dict) -> list[int]:
+    """What the server must answer for `body`: the engine alone with the server's derived params."""
+    upd = {k: v for k, v in body.items() if k not in ("prompt", "max_tokens")}
+    p = derive_params(cfg.default_params, upd, body["max_tokens"], model.config)
+    r = model.generator.generate([np.asarray(tok.encode(body["prompt"]), np.int32)], p)
+    return r.token_ids[0][:body["max_tokens"]]
+
+
+@pytest.fixture(scope="module", params=["static", "continuous"])
+def server(request):
+    model, tok = demo()
+    cfg = ServerConfig(model_name="demo", max_batch=8, scheduler=request.param, max_tokens=64,
+                       max_body_bytes=64 * 1024)
+    with InProcessServer(model, tok, cfg) as s:
+        yield s, model, tok, cfg
+
+
+# (body fields, the param the 400 names): each is refused for the full-attention demo model
+INVALID = [
+    ({"cache": "block"}, "cache"),  # block diffusion on a full-attention model
+    ({"cache": "block", "indel": True}, "cache"),
+    ({"strategy": "sequential"}, "strategy"),  # SDAR's remasking needs the block cache
+    ({"editing_threshold": 0.5}, "editing_threshold"),  # editing on a full-canvas model
+    ({"indel": True}, "indel"),
+    ({"sub_block_length": 4}, "sub_block_length"),
+    ({"smoothing": True, "cache": "prefix"}, "smoothing"),
+    ({"temperature": 1e308}, "temperature"),
+    ({"temperature": 1e-30}, "temperature"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"alg": "entropy"}, "alg"),
+    ({"block_length": 0}, "block_length"),
+    ({"max_tokens": True}, "max_tokens"),  # strict types: true is no integer
+    ({"stream": "yes"}, "stream"),
+    ({"seed": -1}, "seed"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"strategy": "fixed", "steps": 3, "block_length": 8}, "steps"),
+    ({"min_tokens": 99}, "min_tokens"),
+    ({"bogus": 1}, "bogus"),
+]
+
+
+@pytest.mark.parametrize("body,param", INVALID, ids=[f"{p}-{i}" for i, (_, p) in enumerate(INVALID)])
+def test_invalid_request_is_a_fast_400_and_the_next_one_succeeds(server, body, param):
+    s, model, tok, cfg = server
+    t = time.perf_counter()
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert time.perf_counter() - t < 1.0
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 16}, timeout=300)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["token_ids"] == _engine(model, tok, cfg, {"prompt": PROMPT, "max_tokens": 16})
+    assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
+
+
+def test_malformed_json_names_no_param_and_bodies_are_capped(server):
+    s, *_ = server
+    r = httpx.post(f"{s.url}/v1/completions", content=b'{"prompt": "x", "max_tokens": 4,,}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+    big = json.dumps({"prompt": "a" * 200_000, "max_tokens": 4}).encode()  # over the 64 KiB cap
+    t = time.perf_counter()
+    r = httpx.post(f"{s.url}/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "65536" in r.json()["error"]["message"], r.text
+
+    def chunks():  # no Content-Length: the cap applies while the body streams in
+        for _ in range(10):
+            yield b" " * 20_000
+    r = httpx.post(f"{s.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert time.perf_counter() - t < 5
+    # under the body cap but over the prompt's character bound (16 x max length 512): refused unread
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a" * 9000, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "8192" in r.text, r.text
+    assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_mixed_lengths_and_blocks_decode_together(server):
+    """Concurrent requests whose max_tokens / block_length select different programs (16 and 5,
+    24 and 12, blocks 1..7): all answered as the engine answers each alone."""
+    s, model, tok, cfg = server
+    bodies = [{"prompt": PROMPT, "max_tokens": m} for m in (16, 5) * 4]
+    bodies += [{"prompt": "sort 5391=", "max_tokens": m} for m in (24, 12)]
+    bodies += [{"prompt": PROMPT, "max_tokens": 8, "block_length": b} for b in range(1, 8)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        got = list(ex.map(lambda b: httpx.post(f"{s.url}/v1/completions", json=b, timeout=600), bodies))
+    for b, r in zip(bodies, got):
+        assert r.status_code == 200, (b, r.text)
+        assert r.json()["choices"][0]["token_ids"] == _engine(model, tok, cfg, b), b
+
+
+def test_block_model_rejections_and_startup_checks():
+    """The block-diffusion demo model: indel without DELETE / SPLIT ids and block-only settings on a
+    full-canvas cache are 400s; a prefix pool larger than memory is refused at startup."""
+    model, tok = _block_demo()
+    cfg = ServerConfig(model_name="demo-block", max_batch=4, max_tokens=32, default_max_tokens=16,
+                       default_params=derive_params(ServerConfig("x").default_params, {"cache": "block",
+                                                                                          "block_length": 4}, 16))
+    with InProcessServer(model, tok, cfg) as s:
+        for body, param in (({"indel": True}, "indel"), ({"cache": "dual", "sub_block_length": 2}, "sub_block_length"),
+                            ({"cache": "dual", "strategy": "sequential"}, "strategy"),
+                            ({"smoothing": True}, "smoothing")):
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, **body}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, timeout=300)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["token_ids"] == _engine(model, tok, cfg, {"prompt": PROMPT, "max_tokens": 8})
+        # the server default (block cache) yields to a request's full-canvas cache
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "cache": "dual"},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+    from dinfer_jax.server import create_app
+    with pytest.raises(ValueError, match="--prefix-cache-mb 1e\\+06 .* does not fit"):
+        create_app(model, tok, ServerConfig(model_name="x", prefix_cache_mb=1e6))
+    with pytest.raises(ValueError, match="--default-max-tokens 4096 leaves no room"):
+        create_app(model, tok, ServerConfig(model_name="x", default_max_tokens=4096, max_tokens=8192))
+
+
+def test_server_defaults_yield_to_the_request():
+    """A Dream-like server default (strategy dream, alg entropy) does not refuse a request's own
+    strategy; a request's own conflicting fields are still refused, naming them."""
+    from dinfer_jax.engine import InvalidParam, SamplingParams
+    d = SamplingParams(gen_length=64, block_length=64, strategy="dream", alg="entropy", steps=64)
+    p = derive_params(d, {"strategy": "threshold"}, 32)
+    assert p.strategy == "threshold" and p.alg is None and p.steps == 64
+    with pytest.raises(InvalidParam) as e:
+        derive_params(d, {"strategy": "threshold", "alg": "entropy"}, 32)
+    assert e.value.field == "alg"
+    block = SamplingParams(gen_length=32, block_length=32, cache="block", threshold=0.95, editing_threshold=0.5)
+    p = derive_params(block, {"cache": "dual"}, 32)
+    assert p.cache == "dual" and p.editing_threshold is None and p.threshold == 0.95
+
+
+def test_scheduler_survives_a_planning_bug_and_a_failing_batch():
+    """An exception escaping the scheduler loop (a bug) fails the requests in flight; a failing
+    segment fails only its batch; the thread stays alive, /health stays ok, the next request succeeds.
+    With the thread gone /health says so."""
+    model, tok = demo()
+    cfg = ServerConfig(model_name="demo", max_batch=4)
+    with InProcessServer(model, tok, cfg) as s:
+        b = s.app.state.batcher
+        real_pick, real_segment = b._pick, b._segment
+        calls = {"pick": 0, "segment": 0}
+
+        def bad_pick():
+            calls["pick"] += 1
+            if calls["pick"] == 1:
+                raise RuntimeError("injected planning bug")
+            return real_pick()
+
+        def bad_segment(rb):
+            calls["segment"] += 1
+            if calls["segment"] == 1:
+                raise RuntimeError("injected device failure")
+            return real_segment(rb)
+        b._pick = bad_pick
+        body = {"prompt": PROMPT, "max_tokens": 16}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code in (500, 200)  # the queued job stays queued (planning failed before it was popped)
+        b._segment = bad_segment
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 500 and "injected device failure" in r.text, r.text
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "0168"
+        assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
+        st = b.snapshot()
+        assert st["scheduler_errors"] == 1 and st["failed"] >= 1 and b.alive()
+        b.close()
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "scheduler stopped"
+
+
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_watchdog_answers_a_stuck_batch_and_the_server_recovers(scheduler):
+    """A batch / segment running past --watchdog: its request gets 504 at the bound (not when the
+    segment returns), /metrics counts it, /health reports the scheduler stuck meanwhile; then the
+    server serves again."""
+    model, tok = demo()
+    cfg = ServerConfig(model_name="demo", max_batch=4, scheduler=scheduler, watchdog_s=5.0)
+    body = {"prompt": PROMPT, "max_tokens": 16}
+    with InProcessServer(model, tok, cfg) as s:
+        b = s.app.state.batcher
+        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=300).status_code == 200  # compiled
+        b.cfg.watchdog_s = 0.5
+        name = "_decode" if scheduler == "static" else "_segment"
+        real = getattr(b, name)
+        stuck = {"n": 0}
+
+        def slow(*a):
+            stuck["n"] += 1
+            if stuck["n"] == 1:
+                time.sleep(3.0)
+            return real(*a)
+        setattr(b, name, slow)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            t = time.perf_counter()
+            fut = ex.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=60)
+            time.sleep(1.5)
+            h = httpx.get(f"{s.url}/health")
+            r = fut.result()
+        assert r.status_code == 504 and "watchdog" in r.json()["error"]["message"], r.text
+        assert time.perf_counter() - t < 2.9  # answered at the bound, before the segment returned
+        assert h.status_code == 503 and "stuck" in h.json()["status"]
+        assert "dinfer_watchdog_timeouts_total 1" in httpx.get(f"{s.url}/metrics").text
+        time.sleep(2.0)
+        ok = httpx.post(f"{s.url}/v1/completions", json=body, timeout=300)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "0168"
+        assert httpx.get(f"{s.url}/health").json() == {"status": "ok"}
+
+
+def test_a_new_length_compiles_without_delaying_warmed_lengths():
+    """Continuous scheduler, max_tokens 16 warmed: steady clients keep their latency while a request
+    of a new length (a new program) waits for its compile on the compile thread."""
+    model, tok = demo()
+    cfg = ServerConfig(model_name="demo", max_batch=4, warmup=True, warmup_max_tokens=(16,), default_max_tokens=16)
+    with InProcessServer(model, tok, cfg) as s:
+        for _ in range(600):
+            if httpx.get(f"{s.url}/health").status_code == 200:
+                break
+            time.sleep(0.1)
+        steady = {"prompt": PROMPT, "max_tokens": 16}
+        base = []
+        for _ in range(3):
+            t = time.perf_counter()
+            assert httpx.post(f"{s.url}/v1/completions", json=steady, timeout=120).status_code == 200
+            base.append(time.perf_counter() - t)
+        compiles0 = s.app.state.batcher.snapshot()["background_compiles"]
+        lat, stop = [], []
+
+        def client():
+            while not stop:
+                t = time.perf_counter()
+                r = httpx.post(f"{s.url}/v1/completions", json=steady, timeout=120)
+                assert r.status_code == 200
+                lat.append(time.perf_counter() - t)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            clients = [ex.submit(client) for _ in range(2)]
+            time.sleep(0.5)
+            t = time.perf_counter()
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "sort 5391=", "max_tokens": 40,
+                                                              "block_length": 8}, timeout=300)
+            new_latency = time.perf_counter() - t
+            stop.append(1)
+            for c in clients:
+                c.result()
+        assert r.status_code == 200
+        assert s.app.state.batcher.snapshot()["background_compiles"] > compiles0  # it did compile something new
+        during = lat[2:]  # requests that ran while the new program compiled
+        assert len(during) >= 3, (lat, new_latency)
+        assert max(during) < max(0.5 * new_latency, 4 * max(base)), (base, lat, new_latency)
+
+
+def test_no_unretrieved_exceptions_on_cancel_and_shutdown():
+    """Clients leaving mid-stream, requests timing out in the queue and a shutdown with requests in
+    flight leave no "exception was never retrieved" in asyncio's log."""
+    records = []
+
+    class Catch(logging.Handler):
+        def emit(self, rec):
+            records.append(rec.getMessage())
+    h = Catch()
+    logging.getLogger("asyncio").addHandler(h)
+    try:
+        model, tok = demo()
+        cfg = ServerConfig(model_name="demo", max_batch=2, request_timeout_s=0.3)
+        with InProcessServer(model, tok, cfg) as s:
+            long = {"prompt": PROMPT, "max_tokens": 64, "strategy": "fixed", "ignore_eos": True}
+
+            async def go():
+                async with httpx.AsyncClient(timeout=30) as c:
+                    async def stream_and_leave():
+                        async with c.stream("POST", f"{s.url}/v1/completions", json={**long, "stream": True}) as r:
+                            async for _ in r.aiter_lines():
+                                break
+                    await asyncio.gather(*(c.post(f"{s.url}/v1/completions", json=long) for _ in range(6)),
+                                         stream_and_leave(), return_exceptions=True)
+            asyncio.run(go())
+            s.app.state.batcher.close()
+        gc.collect()
+    finally:
+        logging.getLogger("asyncio").removeHandler(h)
+    assert not [m for m in records if "never retrieved" in m], records
+
+
+def test_atomic_folders_get_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    from dinfer_jax.atomic import atomic_folder
+    old = os.umask(0o022)
+    try:
+        with atomic_folder(str(tmp_path / "out")) as tmp:
+            open(os.path.join(tmp, "f"), "w").close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o755
+
+
+def test_config_field_of_the_wrong_type_is_named(tmp_path):
+    from dinfer_jax.config import ConfigError, from_hf_dict, to_hf_dict
+    model, _ = demo()
+    hf = {**to_hf_dict(model.config), "hidden_size": "big"}
+    with pytest.raises(ConfigError, match="hidden_size='big' is not a valid value"):
+        from_hf_dict(hf)
