@@ -151,20 +151,14 @@ def _export(prog, sds, platform: str, mesh, sampling, canvas_shape, static=()) -
                         sum(c["interpret"] for c in calls), len(calls))
 
 
-def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, prompt_len: int = 64, sampling=None,
-                            model=None, prefix_width: int | None = None) -> dict[str, ExportReport]:
-    """Export the continuous-batching programs (decoding/segments.py) the server runs for `batch`
-    slots of prompts up to `prompt_len` tokens: "init" (the rows' init; the prefill for block
-    diffusion), "segment" (a bounded stretch of the loop) and, for block diffusion with
-    prefix_width, "init_prefix" (the prefill of the last prefix_width prompt positions over cached
-    prompt K/V). -> {name: ExportReport}."""
+def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix_width: int | None = None) -> dict:
+    """The continuous-batching programs (decoding/segments.py) the server runs for `batch` slots of
+    prompts up to `prompt_len` tokens, with abstract args: {name: (jitted fn, args, static args)}
+    for "init" (the rows' init; the prefill for block diffusion), "segment" (a bounded stretch of the
+    loop) and, for block diffusion with prefix_width, "init_prefix" (the prefill of the last
+    prefix_width prompt positions over cached prompt K/V)."""
     from dinfer_jax.decoding.loop import ROW_KNOBS
-    from dinfer_jax.engine import SamplingParams
-    sampling = SamplingParams() if sampling is None else sampling
-    if model is None:
-        model = abstract_model(cfg, platform)
-    elif model.target_platform != platform:
-        raise ValueError(f"model targets {model.target_platform!r}, not {platform!r}")
+    cfg = model.config
     spec = sampling.spec_for(cfg)
     shape = model.generator.program_shape(batch, prompt_len, spec)  # the generate program's canvas layout
     gen_start, Lc = shape.gen_start, shape.canvas_length
@@ -173,19 +167,35 @@ def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, 
     row = lambda dt: sd((batch,), dt, sharding=model.batch_sharding((batch,)))
     knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in ROW_KNOBS}
     params = model.abstract_params()
-    args = (params, sd((batch, Lc), jnp.int32, sharding=model.batch_sharding((batch, Lc))), row(jnp.int32), row(jnp.int32), row(jnp.bool_), knobs)
+    args = (params, sd((batch, Lc), jnp.int32, sharding=model.batch_sharding((batch, Lc))), row(jnp.int32),
+            row(jnp.int32), row(jnp.bool_), knobs)
     state = jax.eval_shape(init, *args)
-    out = {"init": _export(init, args, platform, model.mesh, sampling, (batch, Lc)),
-           "segment": _export(segment, (params, state, args[2], args[3], knobs, sd((), jnp.int32, sharding=model.replicated())), platform,
-                              model.mesh, sampling, (batch, Lc))}
+    out = {"init": (init, args, ()),
+           "segment": (segment, (params, state, args[2], args[3], knobs, sd((), jnp.int32, sharding=model.replicated())),
+                       ())}
     if prefix_width is not None:
         if spec.cache != "block":
             raise ValueError("the prefix prefill exists for block diffusion (cache='block') only")
         kv = sd((cfg.num_layers, batch, gen_start, cfg.num_kv_heads, cfg.head_dim), model.module.dtype,
                 sharding=model.replicated())
-        out["init_prefix"] = _export(init_prefix, args + ((kv, kv),), platform, model.mesh, sampling, (batch, Lc),
-                                     static=(prefix_width,))
+        out["init_prefix"] = (init_prefix, args + ((kv, kv),), (prefix_width,))
     return out
+
+
+def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, prompt_len: int = 64, sampling=None,
+                            model=None, prefix_width: int | None = None) -> dict[str, ExportReport]:
+    """Export the continuous-batching programs (see `segment_program_args`) -> {name: ExportReport}."""
+    from dinfer_jax.engine import SamplingParams
+    sampling = SamplingParams() if sampling is None else sampling
+    if model is None:
+        model = abstract_model(cfg, platform)
+    elif model.target_platform != platform:
+        raise ValueError(f"model targets {model.target_platform!r}, not {platform!r}")
+    progs = segment_program_args(model, batch=batch, prompt_len=prompt_len, sampling=sampling,
+                                 prefix_width=prefix_width)
+    return {name: _export(fn, args, platform, model.mesh, sampling, args[1].shape if name != "segment" else
+                          progs["init"][1][1].shape, static=static)
+            for name, (fn, args, static) in progs.items()}
 
 
 def main(argv=None):
