@@ -41,6 +41,10 @@ class PlanError(ValueError):
     """Bad plan input (topology, mesh, options) or no libtpu: one line for the user."""
 
 
+class DoesNotFit(Exception):
+    """XLA:TPU refused the program: it needs more HBM than the chip has (the compiler's message)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """A TPU generation's spec sheet, per chip: HBM bytes, HBM bytes/s, bf16 flops/s; devices per chip."""
@@ -162,15 +166,20 @@ _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 
 
-def shape_bytes(type_str: str) -> list[int]:
-    """Bytes of every array shape in an HLO type string ("bf16[2,3]{1,0}" or a tuple of them)."""
+def shape_dims(type_str: str) -> list[tuple[tuple, float]]:
+    """(dims, bytes per element) of every array shape in an HLO type string ("bf16[2,3]{1,0}" or a
+    tuple of them)."""
     out = []
     for dt, dims in _SHAPE_RE.findall(type_str):
         size = _DTYPE_BYTES.get(dt, 1 if dt.startswith("f8") else None)
-        if size is None:
-            continue
-        out.append(int(math.prod(int(d) for d in dims.split(",") if d) * size))
+        if size is not None:
+            out.append((tuple(int(d) for d in dims.split(",") if d), size))
     return out
+
+
+def shape_bytes(type_str: str) -> list[int]:
+    """Bytes of every array shape in an HLO type string."""
+    return [int(math.prod(d) * size) for d, size in shape_dims(type_str)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +192,7 @@ class Instr:
     opcode: str
     in_loop: bool
     text: str
+    dims: tuple = ()  # each result array's dims
 
 
 def hlo_instructions(text: str) -> list[Instr]:
@@ -209,8 +219,8 @@ def hlo_instructions(text: str) -> list[Instr]:
         if im.group(3) == "while":
             loop_roots.update(re.findall(r"(?:body|condition)=%?([\w.\-]+)", line))
     in_loop = _reachable(loop_roots, calls)
-    return [Instr(c, im.group(1), tuple(shape_bytes(im.group(2))), im.group(3), c in in_loop, im.string)
-            for c, ims in comps.items() for im in ims]
+    return [Instr(c, im.group(1), tuple(shape_bytes(im.group(2))), im.group(3), c in in_loop, im.string,
+                  tuple(d for d, _ in shape_dims(im.group(2)))) for c, ims in comps.items() for im in ims]
 
 
 def _reachable(roots, calls: dict) -> set:
@@ -250,6 +260,17 @@ def host_callbacks(instrs: list[Instr], in_loop_only: bool = True) -> int:
     return n
 
 
+def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int) -> list[Instr]:
+    """Copies inside a loop whose result is KV-cache shaped: dims holding the canvas length, the kv
+    heads and the head dim, at least one layer's K (or V) shard in elements."""
+    out = []
+    for i in instrs:
+        if i.in_loop and i.opcode in ("copy", "copy-start") and any(
+                math.prod(d) >= layer_elems and {canvas, head_dim} <= set(d) and kv_heads in d for d in i.dims):
+            out.append(i)
+    return out
+
+
 def largest(instrs: list[Instr], opcodes: tuple, in_loop_only: bool = False) -> int:
     """The largest result array (bytes) of the given opcodes (inside a loop only, if asked)."""
     return max((max(i.result_bytes, default=0) for i in instrs
@@ -282,7 +303,13 @@ class Compiled:
 def compile_program(name: str, fn, args, static=()) -> Compiled:
     """jit(fn).lower(*args, *static).compile() on the args' devices -> Compiled."""
     t = time.perf_counter()
-    compiled = fn.lower(*args, *static).compile()
+    lowered = fn.lower(*args, *static)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" in str(e) and "HBM" in str(e):
+            raise DoesNotFit(f"{name}: " + " ".join(str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].split())) from None
+        raise
     seconds = time.perf_counter() - t
     ma = compiled.memory_analysis()
     ca = compiled.cost_analysis()
@@ -315,6 +342,8 @@ class Plan:
     expert_stack_bytes: int  # one layer's full (unsharded) stack of one expert projection; 0 dense
     tpf: float
     layers: int
+    kv_local_heads: int
+    head_dim: int
     largest_batch: int | None = None
 
     @property
@@ -336,18 +365,20 @@ class Plan:
 
     def audits(self) -> dict:
         """Checks of the compiled HLO (all programs): no host callback inside a loop; no copy inside
-        the decoding loop of a buffer as large as one layer's K (or V) cache shard (the cache is
-        updated in place, not relaid out); no all-gather of a full expert stack (expert parallelism
+        the decoding loop of a KV-cache-shaped buffer of one layer's K (or V) shard or more (the cache
+        is updated in place, not relaid out; kv_copy_bytes sums those copies' sizes); no all-gather of a full expert stack (expert parallelism
         moves tokens, not weights)."""
         instrs = [i for c in self.programs.values() for i in c.instrs]
         kv_layer = self.kv_bytes // (2 * self.layers)  # one layer's K (or V) shard
-        big_copy = largest(instrs, ("copy", "copy-start"), in_loop_only=True)
         big_gather = largest(instrs, ("all-gather", "all-gather-start"))
+        kv = cache_copies(instrs, self.canvas_length, self.kv_local_heads, self.head_dim, kv_layer // 2) \
+            if self.kv_bytes else []
         return {
             "host_callbacks_in_loop": host_callbacks(instrs),
-            "largest_copy_in_loop_bytes": big_copy,
-            "kv_layer_bytes": kv_layer,
-            "kv_cache_in_place": self.kv_bytes == 0 or big_copy < kv_layer,
+            "largest_copy_in_loop_bytes": largest(instrs, ("copy", "copy-start"), in_loop_only=True),
+            "kv_copies_in_loop": len(kv),
+            "kv_copy_bytes": sum(max(i.result_bytes) for i in kv),
+            "kv_cache_in_place": not kv,
             "largest_all_gather_bytes": big_gather,
             "expert_stack_bytes": self.expert_stack_bytes,
             "no_full_expert_gather": self.expert_stack_bytes == 0 or big_gather < self.expert_stack_bytes,
@@ -414,7 +445,9 @@ def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1,
         if quantize is not None:
             expert //= np.dtype(dtype).itemsize
     return Plan(topo, {a: mesh.shape[a] for a in shd.MESH_AXES}, batch, B, Lc, compiled, param_bytes,
-                _kv_bytes(cfg, model, sampling, B, Lc), expert, tpf, cfg.num_layers)
+                _kv_bytes(cfg, model, sampling, B, Lc), expert, tpf, cfg.num_layers,
+                cfg.num_kv_heads // (mesh.shape["model"] if cfg.num_kv_heads % mesh.shape["model"] == 0 else 1),
+                cfg.head_dim)
 
 
 def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = True, **kw) -> dict:
@@ -423,19 +456,31 @@ def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = 
     a model that fits no mesh: fits false and "reason". find_batch: also compile at twice the batch
     and report the largest power-of-two batch the per-chip total extrapolates to within HBM."""
     topo = get_topology(topology)
-    meshes = [shd.parse_mesh_spec(mesh_spec)] if mesh_spec else candidate_meshes(cfg, topo)
+    meshes = [mesh_spec] if mesh_spec else candidate_meshes(cfg, topo)
     if not meshes:
         return {"compiled": False, "topology": topo.name, "device_kind": topo.device_kind, "chips": topo.chips,
                 "fits": False, "reason": f"no data x expert x model mesh over {len(topo.devices)} devices divides "
                                          f"the model (experts, heads, FFN)"}
     rows, plans = [], []
     for sizes in meshes:
-        p = compile_plan(cfg, topo, sizes, **kw)
+        try:
+            p = compile_plan(cfg, topo, sizes, **kw)
+        except DoesNotFit as e:
+            rows.append({"mesh": _mesh_dict(topo, sizes), "total": None, "fits": False, "tokens_per_s": None,
+                         "compile_seconds": None, "reason": str(e)})
+            continue
         plans.append(p)
         j = p.as_json()
         rows.append({"mesh": j["mesh"], "total": j["per_chip_bytes"]["total"], "fits": j["fits"],
                      "tokens_per_s": j["predicted"]["tokens_per_s"], "compile_seconds": j["compile_seconds"]})
     fitting = [p for p in plans if p.fits]
+    if not fitting and not plans:  # XLA:TPU refused every mesh for want of HBM
+        return {"compiled": False, "topology": topo.name, "device_kind": topo.device_kind, "chips": topo.chips,
+                "mesh": None, "per_chip_bytes": None, "hbm_bytes": topo.hbm_bytes_per_device, "fits": False,
+                "mosaic_calls": None, "collectives": None, "flops": None, "bytes_accessed": None,
+                "compile_seconds": None, "predicted": None, "meshes": rows,
+                "reason": f"no mesh of {topo.name} fits: " + "; ".join(
+                    f"{_mesh_text(r['mesh'])}: {r['reason']}" for r in rows)}
     best = (max(fitting, key=lambda p: p.predicted()["tokens_per_s"]) if fitting
             else min(plans, key=lambda p: p.main.total))
     if find_batch and fitting:
@@ -448,11 +493,19 @@ def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = 
     return out
 
 
+def _mesh_dict(topo: Topology, spec) -> dict:
+    mesh = topology_mesh(topo, spec)
+    return {a: mesh.shape[a] for a in shd.MESH_AXES}
+
+
 def _largest_batch(cfg, topo: Topology, p: Plan, **kw) -> int:
     """The largest power-of-two multiple of the data axis whose per-chip total, linear in the batch
     from compiles at p's program batch and twice it, stays within HBM."""
     kw = {**kw, "batch": 2 * p.program_batch}
-    q = compile_plan(cfg, topo, p.mesh, **kw)
+    try:
+        q = compile_plan(cfg, topo, p.mesh, **kw)
+    except DoesNotFit:
+        return p.program_batch
     per_row = max(1.0, (q.main.total - p.main.total) / (q.program_batch - p.program_batch))
     fixed = p.main.total - per_row * p.program_batch
     most = int((topo.hbm_bytes_per_device - fixed) // per_row)
@@ -470,11 +523,11 @@ def format_table(out: dict) -> str:
     """A human-readable summary of `plan`'s JSON."""
     gib = lambda b: f"{b / GiB:.2f}"
     lines = []
-    if out.get("meshes") and len(out["meshes"]) > 1:
+    if out.get("meshes") and (len(out["meshes"]) > 1 or not out.get("compiled")):
         lines.append("| mesh | GiB per chip | fits | predicted tok/s | compile s |\n|---|---|---|---|---|")
         for r in out["meshes"]:
-            lines.append(f"| {_mesh_text(r['mesh'])} | {gib(r['total'])} | {r['fits']} | {r['tokens_per_s']} | "
-                         f"{r['compile_seconds']} |")
+            lines.append(f"| {_mesh_text(r['mesh'])} | {gib(r['total']) if r['total'] else 'over HBM'} | "
+                         f"{r['fits']} | {r['tokens_per_s']} | {r['compile_seconds']} |")
         lines.append("")
     if not out.get("compiled"):
         return "\n".join(lines + [f"does not fit: {out['reason']}"])
