@@ -262,10 +262,12 @@ def host_callbacks(instrs: list[Instr], in_loop_only: bool = True) -> int:
 
 def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int) -> list[Instr]:
     """Copies inside a loop whose result is KV-cache shaped: dims holding the canvas length, the kv
-    heads and the head dim, at least one layer's K (or V) shard in elements."""
+    heads and the head dim, at least one layer's K (or V) shard in elements. Only `copy` ops outside
+    fusions (relayouts that materialise a buffer); async copy-start / copy-done are memory-space
+    prefetches and evictions that XLA's memory space assignment schedules, not a second cache."""
     out = []
     for i in instrs:
-        if i.in_loop and i.opcode in ("copy", "copy-start") and any(
+        if i.in_loop and i.opcode == "copy" and not i.computation.startswith("fused_") and any(
                 math.prod(d) >= layer_elems and {canvas, head_dim} <= set(d) and kv_heads in d for d in i.dims):
             out.append(i)
     return out
@@ -375,7 +377,7 @@ class Plan:
             if self.kv_bytes else []
         return {
             "host_callbacks_in_loop": host_callbacks(instrs),
-            "largest_copy_in_loop_bytes": largest(instrs, ("copy", "copy-start"), in_loop_only=True),
+            "largest_copy_in_loop_bytes": largest(instrs, ("copy",), in_loop_only=True),
             "kv_copies_in_loop": len(kv),
             "kv_copy_bytes": sum(max(i.result_bytes) for i in kv),
             "kv_cache_in_place": not kv,
