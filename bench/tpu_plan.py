@@ -2,6 +2,7 @@
 bytes, fit, Mosaic calls, collectives, compile seconds and the spec-sheet floor of each case below.
 
   python bench/tpu_plan.py [--only NAME ...] [--json bench/tpu_plan.json]
+  python bench/tpu_plan.py --table bench/tpu_plan.json      # the README's markdown table
 
 Every case: bf16, prompt 256, gen 256, the family's cache (dual; block diffusion for block-causal
 models, block = the model's attention block), TPF 1 in the floor (scale it by a measured TPF).
@@ -22,7 +23,23 @@ CASES = {
     "7b-a1b v5e:2x4 data=2,expert=2,model=2 b2": ("llada-moe-7b-a1b", "v5e:2x4", "data=2,expert=2,model=2", 2),
     "llada2-flash v6e:2x4 expert=8 b16": ("llada2-flash", "v6e:2x4", "expert=8", 16),
     "fast-dllm-v2-7b v7x:2x2x1 b32": ("fast-dllm-v2-7b", "v7x:2x2x1", None, 32),
+    "7b-a1b v5e:4x4 (4 hosts) data=2,expert=8 b16": ("llada-moe-7b-a1b", "v5e:4x4", "data=2,expert=8", 16),
 }
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per case."""
+    gib = lambda b: f"{b / 2**30:.2f}"
+    out = ["| case | device | mesh | GiB per chip: args + temp = total (of HBM) | fits | Mosaic calls | collectives "
+           "(count) | floor tok/s at TPF 1 | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pc, m = r["per_chip_bytes"], r["mesh"]
+        coll = sum(v["count"] for v in r["collectives"].values())
+        out.append(f"| {r['case']} | {r['device_kind']} x {r['chips']} | data={m['data']},expert={m['expert']},"
+                   f"model={m['model']} | {gib(pc['arguments'])} + {gib(pc['temp'])} = {gib(pc['total'])} "
+                   f"({gib(r['hbm_bytes'])}) | {r['fits']} | {r['mosaic_calls']} | {coll} | "
+                   f"{r['predicted']['tokens_per_s']} | {r['compile_seconds']} |")
+    return "\n".join(out)
 
 
 def run(name: str) -> dict:
@@ -44,7 +61,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", default=None, choices=list(CASES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--table", nargs="+", default=None, help="print the markdown table of these JSON files, exit")
     a = ap.parse_args(argv)
+    if a.table:
+        rows = []
+        for path in a.table:
+            with open(path) as f:
+                rows += json.load(f)
+        print(table(rows))
+        return None
     rows = []
     for name in a.only or CASES:
         r = run(name)

@@ -8,7 +8,8 @@ program (`Generator.abstract_program`, the path `generate` runs) and runs the re
 compile. The result (`Plan`) holds per-chip bytes from `memory_analysis()`, flops / bytes accessed
 from `cost_analysis()`, Mosaic calls and collectives read off the compiled HLO, audits of that HLO,
 and a predicted floor: forwards/s = the chip's spec-sheet HBM bandwidth / the bytes a forward must
-read at least per chip (its weight shard and its KV-cache shard), tokens/s = forwards/s x batch x TPF.
+read at least per chip (its weight shard and its KV-cache shard), or the chip's bf16 peak / its share of
+the forward's matmul flops when that is slower, tokens/s = forwards/s x batch x TPF.
 `plan(...)` without a mesh compiles every data x expert x model mesh that divides the model and
 picks the fitting one with the best predicted floor.
 
@@ -346,6 +347,7 @@ class Plan:
     layers: int
     kv_local_heads: int
     head_dim: int
+    forward_flops: float  # whole forward, all devices: 2 x active params x program batch x window
     largest_batch: int | None = None
 
     @property
@@ -358,12 +360,20 @@ class Plan:
         return self.main.total <= self.topology.hbm_bytes_per_device
 
     def predicted(self) -> dict:
-        """The floor: a forward reads at least its weight shard and KV-cache shard from HBM."""
+        """The floor: a forward takes at least the time to read its weight shard and KV-cache shard
+        from HBM, and at least its share of 2 x active params x batch x window flops at the chip's
+        bf16 peak (attention scores not counted); bound names the larger."""
+        topo = self.topology
         per_fwd = self.param_bytes + self.kv_bytes
-        fps = self.topology.hbm_bytes_per_s_per_device / per_fwd
-        return {"bytes_per_forward": per_fwd, "forwards_per_s": round(fps, 2), "tpf": self.tpf,
+        flops = self.forward_flops / len(topo.devices)
+        t_mem = per_fwd / topo.hbm_bytes_per_s_per_device
+        t_flops = flops / (topo.chip.bf16_flops_per_s / topo.chip.devices_per_chip)
+        fps = 1.0 / max(t_mem, t_flops)
+        return {"bytes_per_forward": per_fwd, "flops_per_forward": flops, "forwards_per_s": round(fps, 2),
+                "bound": "memory" if t_mem >= t_flops else "compute", "tpf": self.tpf,
                 "tokens_per_s": round(fps * self.batch * self.tpf, 1),
-                "hbm_bytes_per_s": self.topology.hbm_bytes_per_s_per_device, "source": self.topology.chip.source}
+                "hbm_bytes_per_s": topo.hbm_bytes_per_s_per_device,
+                "bf16_flops_per_s": topo.chip.bf16_flops_per_s / topo.chip.devices_per_chip, "source": topo.chip.source}
 
     def audits(self) -> dict:
         """Checks of the compiled HLO (all programs): no host callback inside a loop; no copy inside
@@ -449,7 +459,8 @@ def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1,
     return Plan(topo, {a: mesh.shape[a] for a in shd.MESH_AXES}, batch, B, Lc, compiled, param_bytes,
                 _kv_bytes(cfg, model, sampling, B, Lc), expert, tpf, cfg.num_layers,
                 cfg.num_kv_heads // (mesh.shape["model"] if cfg.num_kv_heads % mesh.shape["model"] == 0 else 1),
-                cfg.head_dim)
+                cfg.head_dim, 2.0 * cfg.num_active_params * B * (Lc if sampling.cache == "none" else
+                                                                 sampling.block_length))
 
 
 def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = True, **kw) -> dict:
@@ -545,8 +556,9 @@ def format_table(out: dict) -> str:
                     if v["count"]),
         f"XLA cost (loop bodies once): {out['flops'] / 1e9:.1f} GFLOP, {out['bytes_accessed'] / 1e9:.2f} GB accessed;"
         f" compile {out['compile_seconds']} s",
-        f"floor: {gib(pr['bytes_per_forward'])} GiB read per forward per chip at {pr['hbm_bytes_per_s'] / 1e9:.0f} GB/s "
-        f"-> {pr['forwards_per_s']} forwards/s, {pr['tokens_per_s']} tokens/s at TPF {pr['tpf']} ({pr['source']})",
+        f"floor: {gib(pr['bytes_per_forward'])} GiB read per forward per chip at {pr['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
+        f"{pr['flops_per_forward'] / 1e12:.2f} TFLOP at {pr['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s ({pr['bound']} bound)"
+        f" -> {pr['forwards_per_s']} forwards/s, {pr['tokens_per_s']} tokens/s at TPF {pr['tpf']} ({pr['source']})",
         "audits: " + ", ".join(f"{k}={v}" for k, v in out["audits"].items()),
     ]
     return "\n".join(lines)
