@@ -3,7 +3,7 @@
 `export_generate(cfg, "tpu" | "cuda" | "cpu", batch=, prompt_len=, sampling=)` builds a Model over
 abstract params (ShapeDtypeStruct: no weights in memory), whose kernels are chosen for that target
 platform (Model.platform), takes the Generator's own jitted program for those prompts and settings
-(`Generator._prepare`, the same path `generate` runs), and `jax.export`s it for the platform.
+(`Generator.abstract_program`, the same path `generate` runs), and `jax.export`s it for the platform.
 Returns an ExportReport: the Export, the serialized size, the lowering time, and counts of the
 hardware-kernel custom calls (Mosaic TPU, Triton) and of Pallas kernels left to the interpreter.
 
@@ -99,29 +99,21 @@ def pallas_calls(jaxpr) -> list[dict]:
 def abstract_model(cfg: ModelConfig, platform: str, *, dtype=jnp.bfloat16, mesh=None, attention_impl: str = "auto",
                    moe_impl: str = "auto", quantize: str | None = None):
     """A Model over ShapeDtypeStruct params (sharded over `mesh` when given) targeting `platform`;
-    quantize "int8" | "fp8": the quantized params as QuantizedWeight (models/quant.py), no mesh."""
+    quantize "int8" | "fp8": the quantized params as QuantizedWeight (models/quant.py)."""
     from dinfer_jax import sharding as shd
     from dinfer_jax.model import Model
     from dinfer_jax.models import abstract_params, unflatten
+    from dinfer_jax.models.quant import pack_flat, quantize_abstract, unpack_flat
     flat = abstract_params(cfg, dtype)
+    if quantize is not None:
+        flat = quantize_abstract(flat, quantize)
     if mesh is not None:
         shd.check_mesh_fits(cfg, mesh)
-        shardings = shd.param_shardings(cfg, mesh, {k: v.shape for k, v in flat.items()})
-        flat = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in flat.items()}
-    if quantize is not None:
-        if mesh is not None:
-            raise ValueError("abstract_model: quantize with a mesh is not supported; place a loaded model instead")
-        from dinfer_jax.models.quant import quantize_abstract
-        flat = quantize_abstract(flat, quantize)
+        leaves, quantization = unpack_flat(flat)
+        shardings = shd.param_shardings(cfg, mesh, {k: v.shape for k, v in leaves.items()}, quantization)
+        leaves = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in leaves.items()}
+        flat = pack_flat(leaves, quantization)
     return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh, platform)
-
-
-def _abstract(x, keep_sharding: bool):
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    x = np.asarray(x) if not hasattr(x, "shape") else x
-    sharding = getattr(x, "sharding", None) if keep_sharding else None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def export_generate(cfg: ModelConfig, platform: str, *, batch: int = 1, prompt_len: int = 64, sampling=None,
@@ -139,11 +131,8 @@ def export_generate(cfg: ModelConfig, platform: str, *, batch: int = 1, prompt_l
         model = abstract_model(cfg, platform, dtype=dtype, mesh=mesh, attention_impl=attention_impl, moe_impl=moe_impl)
     elif model.target_platform != platform:
         raise ValueError(f"model targets {model.target_platform!r}, not {platform!r}")
-    token = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, cfg.eos_token_id))
-    prompts = [np.full((prompt_len,), token, np.int32)] * batch
-    prog, args, *_ = model.generator._prepare(prompts, sampling)
-    sds = jax.tree_util.tree_map(lambda x: _abstract(x, model.mesh is not None), args)
-    return _export(prog, sds, platform, model.mesh, sampling, sds[1].shape)
+    prog, sds, _, shape = model.generator.abstract_program(batch, prompt_len, sampling)
+    return _export(prog, sds, platform, model.mesh, sampling, (shape.batch, shape.canvas_length))
 
 
 def _export(prog, sds, platform: str, mesh, sampling, canvas_shape, static=()) -> ExportReport:
@@ -162,40 +151,51 @@ def _export(prog, sds, platform: str, mesh, sampling, canvas_shape, static=()) -
                         sum(c["interpret"] for c in calls), len(calls))
 
 
+def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix_width: int | None = None) -> dict:
+    """The continuous-batching programs (decoding/segments.py) the server runs for `batch` slots of
+    prompts up to `prompt_len` tokens, with abstract args: {name: (jitted fn, args, static args)}
+    for "init" (the rows' init; the prefill for block diffusion), "segment" (a bounded stretch of the
+    loop) and, for block diffusion with prefix_width, "init_prefix" (the prefill of the last
+    prefix_width prompt positions over cached prompt K/V)."""
+    from dinfer_jax.decoding.loop import ROW_KNOBS
+    cfg = model.config
+    spec = sampling.spec_for(cfg)
+    shape = model.generator.program_shape(batch, prompt_len, spec)  # the generate program's canvas layout
+    gen_start, Lc = shape.gen_start, shape.canvas_length
+    init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)
+    sd = jax.ShapeDtypeStruct
+    row = lambda dt: sd((batch,), dt, sharding=model.batch_sharding((batch,)))
+    knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in ROW_KNOBS}
+    params = model.abstract_params()
+    args = (params, sd((batch, Lc), jnp.int32, sharding=model.batch_sharding((batch, Lc))), row(jnp.int32),
+            row(jnp.int32), row(jnp.bool_), knobs)
+    state = jax.eval_shape(init, *args)
+    out = {"init": (init, args, ()),
+           "segment": (segment, (params, state, args[2], args[3], knobs, sd((), jnp.int32, sharding=model.replicated())),
+                       ())}
+    if prefix_width is not None:
+        if spec.cache != "block":
+            raise ValueError("the prefix prefill exists for block diffusion (cache='block') only")
+        kv = sd((cfg.num_layers, batch, gen_start, cfg.num_kv_heads, cfg.head_dim), model.module.dtype,
+                sharding=model.replicated())
+        out["init_prefix"] = (init_prefix, args + ((kv, kv),), (prefix_width,))
+    return out
+
+
 def export_segment_programs(cfg: ModelConfig, platform: str, *, batch: int = 4, prompt_len: int = 64, sampling=None,
                             model=None, prefix_width: int | None = None) -> dict[str, ExportReport]:
-    """Export the continuous-batching programs (decoding/segments.py) the server runs for `batch`
-    slots of prompts up to `prompt_len` tokens: "init" (the rows' init; the prefill for block
-    diffusion), "segment" (a bounded stretch of the loop) and, for block diffusion with
-    prefix_width, "init_prefix" (the prefill of the last prefix_width prompt positions over cached
-    prompt K/V). -> {name: ExportReport}."""
-    from dinfer_jax.decoding.loop import ROW_KNOBS
-    from dinfer_jax.engine import SamplingParams, _bucket_len
+    """Export the continuous-batching programs (see `segment_program_args`) -> {name: ExportReport}."""
+    from dinfer_jax.engine import SamplingParams
     sampling = SamplingParams() if sampling is None else sampling
     if model is None:
         model = abstract_model(cfg, platform)
     elif model.target_platform != platform:
         raise ValueError(f"model targets {model.target_platform!r}, not {platform!r}")
-    spec = sampling.spec_for(cfg)
-    gen_start = _bucket_len(prompt_len + spec.head_room)
-    Lc = gen_start + spec.gen_length + spec.tail_room
-    init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)
-    sd = jax.ShapeDtypeStruct
-    row = lambda dt: sd((batch,), dt)
-    knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in ROW_KNOBS}
-    params = jax.tree_util.tree_map(lambda x: _abstract(x, model.mesh is not None), model.params)
-    args = (params, sd((batch, Lc), jnp.int32), row(jnp.int32), row(jnp.int32), row(jnp.bool_), knobs)
-    state = jax.eval_shape(init, *args)
-    out = {"init": _export(init, args, platform, model.mesh, sampling, (batch, Lc)),
-           "segment": _export(segment, (params, state, args[2], args[3], knobs, sd((), jnp.int32)), platform,
-                              model.mesh, sampling, (batch, Lc))}
-    if prefix_width is not None:
-        if spec.cache != "block":
-            raise ValueError("the prefix prefill exists for block diffusion (cache='block') only")
-        kv = sd((cfg.num_layers, batch, gen_start, cfg.num_kv_heads, cfg.head_dim), model.module.dtype)
-        out["init_prefix"] = _export(init_prefix, args + ((kv, kv),), platform, model.mesh, sampling, (batch, Lc),
-                                     static=(prefix_width,))
-    return out
+    progs = segment_program_args(model, batch=batch, prompt_len=prompt_len, sampling=sampling,
+                                 prefix_width=prefix_width)
+    return {name: _export(fn, args, platform, model.mesh, sampling, args[1].shape if name != "segment" else
+                          progs["init"][1][1].shape, static=static)
+            for name, (fn, args, static) in progs.items()}
 
 
 def main(argv=None):

@@ -76,6 +76,26 @@ def cmd_info(a):
                       "quantization": "+".join(quant) or None, **cfg.to_dict()}, indent=1))
 
 
+def cmd_plan(a):
+    import jax
+    jax.config.update("jax_platforms", "cpu")  # compile-only TPU devices come from libtpu, not a backend
+    from dinfer_jax import checkpoint as ckpt
+    from dinfer_jax import plan
+    from dinfer_jax.config import load_hf_config, preset
+    from dinfer_jax.engine import SamplingParams
+    if a.model is not None:
+        ckpt.check_model_folder(a.model)
+    cfg = load_hf_config(a.model) if a.model is not None else preset(a.preset)
+    over = {k: v for k, v in (("gen_length", a.gen_length), ("block_length", a.block_length), ("cache", a.cache))
+            if v is not None}
+    if cfg.attention_mask == "block_causal" and "cache" not in over:
+        over["cache"] = "block"
+    out = plan.plan(cfg, a.topology, a.mesh, find_batch=not a.no_find_batch, batch=a.batch, prompt_len=a.prompt_len,
+                    sampling=SamplingParams.for_model(cfg, **over), quantize=a.quantize, programs=a.programs,
+                    tpf=a.tpf)
+    print(json.dumps(out) if a.json else plan.format_table(out))
+
+
 def cmd_logits(a):
     import numpy as np
     model = _load_model(a, a.model)
@@ -643,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
   dinfer-jax bench --model ckpt/ --batch 1,4,16 --strategies threshold,credit
   dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # then: xprof --logdir /tmp/prof
   dinfer-jax eval demo                                      # accuracy / tokens per forward table
+  dinfer-jax plan --preset llada2-mini --topology v5e:2x2 --mesh expert=4   # compile for TPU, no TPU needed
 
 'dinfer-jax COMMAND --help' lists a command's options.""")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -789,6 +810,26 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     le.add_argument("lm_eval_argv", nargs=argparse.REMAINDER)
     le.set_defaults(fn=cmd_lm_eval)
+    pl = sub.add_parser("plan", help="compile for a TPU topology on this host (libtpu compile-only): per-chip "
+                                     "memory and fit, Mosaic calls, collectives, a predicted floor")
+    src = pl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model folder (only its config.json is read)")
+    src.add_argument("--preset", help="a config preset (dinfer_jax.config.presets), e.g. llada-moe-7b-a1b")
+    pl.add_argument("--topology", required=True, help="e.g. v5e:1x1, v5e:2x2, v6e:2x4, v5p:2x2x1, v7x:2x2x1")
+    pl.add_argument("--mesh", default=None, help="data=,expert=,model= sizes (default: try every mesh that "
+                                                 "divides the model, pick the best that fits)")
+    pl.add_argument("--batch", type=_positive, default=1)
+    pl.add_argument("--prompt-len", type=_positive, default=256)
+    pl.add_argument("--gen-length", type=_positive, default=None, help="default: the family's")
+    pl.add_argument("--block-length", type=_positive, default=None, help="default: the family's")
+    pl.add_argument("--cache", default=None, choices=["none", "prefix", "dual", "vicinity", "block"])
+    pl.add_argument("--quantize", default=None, choices=["int8", "fp8"])
+    pl.add_argument("--programs", default="generate", choices=["generate", "serving"])
+    pl.add_argument("--tpf", type=float, default=1.0, help="tokens per forward for the predicted tokens/s")
+    pl.add_argument("--no-find-batch", action="store_true", help="skip the second compile that finds the "
+                                                                  "largest batch that fits")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.set_defaults(fn=cmd_plan)
     d = sub.add_parser("demo", help="tiny random LLaDA-MoE: export, convert back, forward, compare")
     d.add_argument("--workdir", default=None)
     d.set_defaults(fn=cmd_demo)

@@ -392,6 +392,15 @@ def _bucket_len(n: int) -> int:
     return max(PROMPT_BUCKET, -(-n // PROMPT_BUCKET) * PROMPT_BUCKET)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramShape:
+    """One generate program's canvas layout: `batch` rows (bucketed, a multiple of the data axis),
+    prompts right-aligned before `gen_start`, canvas (batch, canvas_length)."""
+    batch: int
+    gen_start: int
+    canvas_length: int
+
+
 class Generator:
     """Compiled-program cache for one model. `compiles` counts traces (tests assert no recompiles)."""
 
@@ -482,6 +491,43 @@ class Generator:
         prog, args, *_ = self._prepare(prompts, params, observe)
         return prog.lower(*args)
 
+    def _check_spec(self, spec: DecodeSpec):
+        """InvalidParam when the model cannot run a program of this spec (`check_model`)."""
+        check_model(spec, self.model.config)
+
+    def program_shape(self, n_rows: int, max_prompt_len: int, spec: DecodeSpec) -> ProgramShape:
+        """The canvas layout of the program for n_rows prompts of at most max_prompt_len tokens."""
+        cfg = self.model.config
+        if max_prompt_len + spec.gen_length > cfg.max_position_embeddings:
+            raise InvalidParam("gen_length", f"prompt + gen_length = {max_prompt_len + spec.gen_length} exceeds "
+                                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        dp = self.model.data_parallel
+        batch = -(-_bucket_batch(n_rows) // dp) * dp  # rows split evenly over the mesh's data axis
+        gen_start = _bucket_len(max_prompt_len + spec.head_room)
+        return ProgramShape(batch, gen_start, gen_start + spec.gen_length + spec.tail_room)
+
+    def program_args(self, shape: ProgramShape) -> tuple:
+        """The generate program's arguments as ShapeDtypeStructs (with the model's shardings): params,
+        canvas (B, Lc) int32, pad / plen (B,) int32, active (B,) bool, knobs {k: (B,)}, observer id ()."""
+        m, B = self.model, shape.batch
+        sd = jax.ShapeDtypeStruct
+        row = lambda dt: sd((B,), dt, sharding=m.batch_sharding((B,)))
+        knobs = {k: row(np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
+        return (m.abstract_params(), sd((B, shape.canvas_length), np.int32, sharding=m.batch_sharding((B, 1))),
+                row(np.int32), row(np.int32), row(np.bool_), knobs, sd((), np.int32, sharding=m.replicated()))
+
+    def abstract_program(self, n_rows: int, prompt_len: int, params: SamplingParams, observe: bool = False):
+        """(jitted program, its ShapeDtypeStruct args, spec, ProgramShape) for n_rows prompts of
+        prompt_len tokens: what `generate` would run, from shapes alone (lower / compile it anywhere)."""
+        if n_rows <= 0 or prompt_len <= 0:
+            raise InvalidParam("batch", f"batch={n_rows} and prompt_len={prompt_len} must be positive")
+        spec = params.spec_for(self.model.config)
+        self._check_spec(spec)
+        if observe:
+            spec = dataclasses.replace(spec, observe=True)
+        shape = self.program_shape(n_rows, prompt_len, spec)
+        return self._program(spec, shape.gen_start), self.program_args(shape), spec, shape
+
     def _prepare(self, prompts, params, observe: bool = False, observer_id: int = 0):
         cfg = self.model.config
         rows = _prompt_rows(prompts, self.model.check_ids)
@@ -502,17 +548,9 @@ class Generator:
                 diff = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(other, f.name)]
                 raise ValueError(f"prompts in one batch must share the compiled settings; prompt {i} differs in "
                                  f"{diff} (only {', '.join(KNOBS)} may differ per prompt)")
-        if observe:
-            spec = dataclasses.replace(spec, observe=True)
-        dp = self.model.data_parallel
-        B = -(-_bucket_batch(len(rows)) // dp) * dp  # rows split evenly over the mesh's data axis
-        gen_start = _bucket_len(max(len(r) for r in rows) + spec.head_room)
-        Lc = gen_start + spec.gen_length + spec.tail_room
-        if max(len(r) for r in rows) + spec.gen_length > cfg.max_position_embeddings:
-            raise InvalidParam("gen_length", f"prompt + gen_length = {max(len(r) for r in rows) + spec.gen_length} exceeds "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        pad_id = cfg.pad_id
-        canvas = np.full((B, Lc), pad_id, np.int32)
+        prog, sds, spec, shape = self.abstract_program(len(rows), max(len(r) for r in rows), per_row[0], observe)
+        B, gen_start = shape.batch, shape.gen_start
+        canvas = np.full((B, shape.canvas_length), cfg.pad_id, np.int32)
         pad = np.full((B,), gen_start, np.int32)
         plen = np.zeros((B,), np.int32)
         for b, r in enumerate(rows):
@@ -522,10 +560,9 @@ class Generator:
         active = np.arange(B) < len(rows)
         knobs = {k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
                              np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
-        prog = self._program(spec, gen_start)
-        put = self.model.place_batch
-        args = (self.model.params, put(canvas), put(pad), put(plen), put(active), {k: put(v) for k, v in knobs.items()},
-                np.int32(observer_id))
+        put = self.model.place
+        host = (canvas, pad, plen, active, knobs, np.int32(observer_id))
+        args = (self.model.params,) + jax.tree_util.tree_map(put, host, sds[1:])
         return prog, args, rows, spec, gen_start
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -73,13 +73,34 @@ class Model:
         out = None if self.mesh is None else shd.NamedSharding(self.mesh, shd.P())
         return jax.jit(lambda p, t, m: self.module.apply({"params": p}, t, key_mask_BL=m)[0], out_shardings=out)
 
+    def batch_sharding(self, shape: tuple):
+        """The NamedSharding of a (B, ...) input (rows over the mesh's batch axes); None without a mesh."""
+        if self.mesh is None:
+            return None
+        axes = shd.batch_axes(shape[0], self.mesh)
+        return shd.NamedSharding(self.mesh, shd.P(axes if axes else None, *([None] * (len(shape) - 1))))
+
+    def replicated(self):
+        """The NamedSharding of a replicated input; None without a mesh."""
+        return None if self.mesh is None else shd.NamedSharding(self.mesh, shd.P())
+
+    def place(self, arr, like: jax.ShapeDtypeStruct):
+        """A host array -> a device array placed as the ShapeDtypeStruct `like` says (see
+        Generator.program_args); the default device when `like` has no sharding."""
+        arr = np.asarray(arr, like.dtype)
+        return jnp.asarray(arr) if like.sharding is None else shd.to_global(arr, like.sharding)
+
     def place_batch(self, arr: np.ndarray):
         """A host (B, ...) array -> device array, split over the mesh's batch axes when there is a mesh."""
-        if self.mesh is None:
-            return jnp.asarray(arr)
-        axes = shd.batch_axes(arr.shape[0], self.mesh)
-        spec = shd.P(axes if axes else None, *([None] * (arr.ndim - 1)))
-        return shd.to_global(arr, shd.NamedSharding(self.mesh, spec))
+        arr = np.asarray(arr)
+        return self.place(arr, jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=self.batch_sharding(arr.shape)))
+
+    def abstract_params(self):
+        """The params as ShapeDtypeStructs (their shardings kept when there is a mesh)."""
+        def sds(x):
+            sharding = getattr(x, "sharding", None) if self.mesh is not None else None
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.tree_util.tree_map(sds, self.params)
 
     @property
     def data_parallel(self) -> int:
