@@ -519,6 +519,15 @@ def _add_scale_flags(p):
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process (env DINFER_PROCESS_ID)")
 
 
+def _serve_defaults(a, model_dir: str):
+    """ServerConfig.default_params: the model's defaults (SamplingParams.for_model) with the serve
+    command's explicit flags over them; --default-max-tokens is their gen_length."""
+    flags = _explicit_flags(a)
+    if a.default_max_tokens is not None:
+        flags["gen_length"] = a.default_max_tokens
+    return _model_defaults(model_dir, **flags)
+
+
 def cmd_serve(a):
     try:
         import fastapi  # noqa: F401
@@ -528,10 +537,7 @@ def cmd_serve(a):
     from dinfer_jax import compile_cache
     from dinfer_jax.server import ServerConfig, serve
     model_dir = _model_dir(a)
-    flags = _explicit_flags(a)
-    if a.default_max_tokens is not None:
-        flags["gen_length"] = a.default_max_tokens
-    defaults = _model_defaults(model_dir, **flags)
+    defaults = _serve_defaults(a, model_dir)
     if a.steps is not None and a.steps > a.max_steps:
         raise ValueError(f"--steps {a.steps} exceeds --max-steps {a.max_steps}")
     if defaults.max_post_steps > a.max_post_steps_limit:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import time
 import warnings
 from typing import Sequence
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 
 from dinfer_jax import families
+from dinfer_jax.config import ConfigError
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import CACHES, KNOBS, ROW_KNOBS, DecodeSpec, generate_loop
 from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
@@ -279,14 +281,21 @@ class SamplingParams:
     @classmethod
     def for_model(cls, cfg, folder: str | None = None, *, defaults: "SamplingParams | None" = None,
                   **overrides) -> "SamplingParams":
-        """THE decoding defaults of a model: its family's documented defaults (`Family.decoding`:
-        its authors' own generate() defaults), then what its folder sets (generation_config.json,
-        `families.folder_decoding`), then `overrides` (explicit flags, request fields, arguments),
-        merged by `families.layer`. defaults: an already resolved SamplingParams to start from
+        """THE decoding settings of a model (docs/decoding_defaults.md): its family's documented
+        defaults (`Family.decoding`: its authors' own generate() defaults), then what its folder
+        sets (config.json's attention block, generation_config.json: `families.folder_decoding`),
+        then `overrides` (explicit flags, request fields, arguments), merged by `families.layer`. defaults: an already resolved SamplingParams to start from
         instead (the server's defaults, a request's fields as overrides). A full-canvas cache on a
         block-causal model warns once with what changes."""
-        base = families.decoding_defaults(cfg, folder) if defaults is None else dataclasses.asdict(defaults)
-        sp = cls(**families.layer(base, overrides))
+        own = {} if defaults is not None else families.folder_decoding(cfg, folder)
+        base = (dataclasses.asdict(defaults) if defaults is not None
+                else families.layer(dict(families.get(cfg.family).decoding), own))
+        try:
+            sp = cls(**families.layer(base, overrides))
+        except InvalidParam as e:  # a bad value from the folder names its file
+            if e.field in own and e.field not in overrides and folder is not None:
+                raise ConfigError(f"{os.path.join(folder, families.GENERATION_CONFIG)}: {e}") from None
+            raise
         _warn_family_conflict(cfg, sp)
         return sp
 
@@ -592,11 +601,6 @@ def program_spec(spec: DecodeSpec, gen_length: int) -> DecodeSpec:
 def bucket_gen_length(spec: DecodeSpec) -> int:
     """The program gen length a row of spec.gen_length joins: blocks rounded up to a power of two."""
     return spec.block_length * _bucket_batch(spec.gen_length // spec.block_length)
-
-
-def own_sampler(cfg) -> bool:
-    """Whether cfg's family decodes by default with its own sampler (strategy "dream")."""
-    return families.get(cfg.family).decoding.get("strategy") == DREAM
 
 
 class FamilyWarning(UserWarning):

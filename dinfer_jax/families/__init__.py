@@ -156,8 +156,3 @@ def layer(base: Mapping[str, Any], upd: Mapping[str, Any]) -> dict:
         out.pop("steps", None)
     return out
 
-
-def decoding_defaults(cfg, folder: str | os.PathLike | None = None) -> dict:
-    """A model's decoding defaults as SamplingParams fields: its family's documented defaults
-    (`Family.decoding`), then what its folder sets (`folder_decoding`), merged by `layer`."""
-    return layer(dict(get(cfg.family).decoding), folder_decoding(cfg, folder))
