@@ -287,11 +287,13 @@ class SamplingParams:
         then `overrides` (explicit flags, request fields, arguments), merged by `families.layer`. defaults: an already resolved SamplingParams to start from
         instead (the server's defaults, a request's fields as overrides). A full-canvas cache on a
         block-causal model warns once with what changes."""
+        fam = families.get(cfg.family)
+        whole = families.whole_canvas(fam)
         own = {} if defaults is not None else families.folder_decoding(cfg, folder)
         base = (dataclasses.asdict(defaults) if defaults is not None
-                else families.layer(dict(families.get(cfg.family).decoding), own))
+                else families.layer(dict(fam.decoding), own, whole))
         try:
-            sp = cls(**families.layer(base, overrides))
+            sp = cls(**families.layer(base, overrides, whole))
         except InvalidParam as e:  # a bad value from the folder names its file
             if e.field in own and e.field not in overrides and folder is not None:
                 raise ConfigError(f"{os.path.join(folder, families.GENERATION_CONFIG)}: {e}") from None

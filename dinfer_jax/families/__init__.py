@@ -131,11 +131,17 @@ def folder_decoding(cfg, folder: str | os.PathLike | None) -> dict:
     return out
 
 
-def layer(base: Mapping[str, Any], upd: Mapping[str, Any]) -> dict:
+def whole_canvas(fam: Family) -> bool:
+    """Whether the family decodes the whole canvas as one block (Dream: block_length == gen_length)."""
+    return fam.decoding.get("block_length") is not None and fam.decoding.get("block_length") == fam.decoding.get(
+        "gen_length")
+
+
+def layer(base: Mapping[str, Any], upd: Mapping[str, Any], whole: bool = False) -> dict:
     """`upd` over `base` (dicts of SamplingParams fields) with the rules that keep a default
     consistent with what is set over it:
-      - gen_length without block_length: a whole-canvas default (block_length == gen_length, Dream)
-        stays whole-canvas; otherwise a full-canvas default block longer than gen_length shrinks to
+      - gen_length without block_length: with `whole` (a whole-canvas family, `whole_canvas`) a
+        default block_length == gen_length stays whole-canvas; otherwise a full-canvas default block longer than gen_length shrinks to
         it (a block-diffusion block is the model's attention block and never shrinks);
       - editing, indel or sub-blocks without steps: the default `steps` schedule is dropped
         (LLaDA2.1's generate() ignores `steps`; SamplingParams refuses the combination);
@@ -148,7 +154,7 @@ def layer(base: Mapping[str, Any], upd: Mapping[str, Any]) -> dict:
                 if n not in upd:
                     out.pop(n, None)
     if "gen_length" in upd and "block_length" not in upd and base.get("block_length") is not None:
-        if base.get("block_length") == base.get("gen_length"):
+        if whole and base.get("block_length") == base.get("gen_length"):
             out["block_length"] = upd["gen_length"]
         elif out.get("cache") != "block" and base["block_length"] > upd["gen_length"]:
             out["block_length"] = upd["gen_length"]
