@@ -141,8 +141,9 @@ def layer(base: Mapping[str, Any], upd: Mapping[str, Any], whole: bool = False) 
     """`upd` over `base` (dicts of SamplingParams fields) with the rules that keep a default
     consistent with what is set over it:
       - gen_length without block_length: with `whole` (a whole-canvas family, `whole_canvas`) a
-        default block_length == gen_length stays whole-canvas; otherwise a full-canvas default block longer than gen_length shrinks to
-        it (a block-diffusion block is the model's attention block and never shrinks);
+        default block_length == gen_length stays whole-canvas; otherwise a full-canvas default
+        block longer than gen_length shrinks to it (a block-diffusion block is the model's
+        attention block and never shrinks);
       - editing, indel or sub-blocks without steps: the default `steps` schedule is dropped
         (LLaDA2.1's generate() ignores `steps`; SamplingParams refuses the combination);
       - another cache / strategy: the lower layer's fields that belong to the old one (`_SCOPED`)
