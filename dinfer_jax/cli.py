@@ -465,9 +465,11 @@ def _add_decoding_flags(p, with_lengths: bool = True):
                         "0.9; LLaDA2 0.95, SDAR 0.85)")
     p.add_argument("--low-threshold", type=float, default=None, help="hierarchy: per-run threshold (default 0.4)")
     p.add_argument("--factor", type=float, default=None, help="factor strategy's f (default 1.0)")
-    p.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length); --cache block: steps per block "
-                                                                  "(LLaDA2.0's schedule; LLaDA2 default 32, SDAR 4)")
-    p.add_argument("--cache", choices=CACHES, default=None, help="KV cache policy (default: the model's: dual; Dream none; LLaDA2 / SDAR / Fast-dLLM v2 block)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="fixed/random: total steps (default gen-length); --cache block: steps per block "
+                        "(LLaDA2.0's schedule; LLaDA2 default 32, SDAR 4)")
+    p.add_argument("--cache", choices=CACHES, default=None,
+                   help="KV cache policy (default: the model's: dual; Dream none; LLaDA2 / SDAR / Fast-dLLM v2 block)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; > 0 samples (Gumbel-max) (default: the model's, 0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")

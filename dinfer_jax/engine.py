@@ -284,9 +284,10 @@ class SamplingParams:
         """THE decoding settings of a model (docs/decoding_defaults.md): its family's documented
         defaults (`Family.decoding`: its authors' own generate() defaults), then what its folder
         sets (config.json's attention block, generation_config.json: `families.folder_decoding`),
-        then `overrides` (explicit flags, request fields, arguments), merged by `families.layer`. defaults: an already resolved SamplingParams to start from
-        instead (the server's defaults, a request's fields as overrides). A full-canvas cache on a
-        block-causal model warns once with what changes."""
+        then `overrides` (explicit flags, request fields, arguments), merged by `families.layer`.
+        defaults: an already resolved SamplingParams to start from instead (the server's defaults,
+        with a request's fields as overrides). A full-canvas cache on a block-causal model warns
+        once, saying what changes."""
         fam = families.get(cfg.family)
         whole = families.whole_canvas(fam)
         own = {} if defaults is not None else families.folder_decoding(cfg, folder)
