@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -73,7 +74,19 @@ def cmd_info(a):
     quant = sorted({m["kind"] for m in (ckpt.read_manifest(a.model).get("quantization") or {}).values()}
                    if ckpt.is_checkpoint(a.model) else [])
     print(json.dumps({"folder": a.model, "kind": kind, "num_params": cfg.num_params,
-                      "quantization": "+".join(quant) or None, **cfg.to_dict()}, indent=1))
+                      "quantization": "+".join(quant) or None, **cfg.to_dict(),
+                      "decoding_defaults": _decoding_summary(_model_defaults(a.model))}, indent=1))
+
+
+def _decoding_summary(sp) -> dict:
+    """The settings `generate` uses on this folder with no flags: gen_length, block_length,
+    strategy, cache and every field that differs from SamplingParams()'s."""
+    import dataclasses
+    from dinfer_jax import SamplingParams
+    plain = SamplingParams()
+    return {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)
+            if f.name in ("gen_length", "block_length", "strategy", "cache")
+            or getattr(sp, f.name) != getattr(plain, f.name)}
 
 
 def cmd_plan(a):
@@ -160,16 +173,6 @@ def _model_dir(a) -> str:
     return DEMO_MODEL_DIR
 
 
-def _gen_shape(a, model_dir: str) -> tuple[int, int]:
-    """--gen-length / --block-length, defaulting to the model folder's generation_config.json
-    ("dinfer_jax" entry, as the demo model has) or 128 / 64; a default block never exceeds gen_length."""
-    from dinfer_jax.checkpoint import generation_defaults
-    d = generation_defaults(model_dir)
-    gen = a.gen_length if a.gen_length is not None else d.get("gen_length", 128)
-    block = a.block_length if a.block_length is not None else min(d.get("block_length", 64), gen)
-    return gen, block
-
-
 def _warn_off_defaults(defaults: dict, model_dir: str, **chosen):
     """One stderr line when the chosen lengths differ from the model folder's generation defaults
     (the demo model, e.g., answers only in the 16-token region it was trained on)."""
@@ -200,64 +203,44 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
     return a.prompt_ids
 
 
-def _block_flags(a) -> dict:
-    """threshold and the block-diffusion SamplingParams fields: explicit flags, else the --edit-mode
-    preset (engine.EDIT_MODES), else the defaults (threshold 0.9, no editing)."""
+# Decoding flags whose value (when given) is a SamplingParams field of the same name; store_true
+# flags count only when set. --no-early-stop is early_stop=False.
+_VALUE_FLAGS = ("strategy", "cache", "steps", "threshold", "low_threshold", "factor", "temperature", "seed",
+                "min_tokens", "alg", "alg_temp", "eps", "editing_threshold", "max_post_steps", "num_to_transfer",
+                "top_k", "top_p", "sub_block_length", "eb_threshold")
+_SWITCH_FLAGS = ("smoothing", "ignore_eos", "indel", "confidence_before_filter", "sub_block_cache")
+
+
+def _explicit_flags(a) -> dict:
+    """The decoding settings the user gave on the command line: the --edit-mode preset
+    (engine.EDIT_MODES), then every explicit flag over it. Nothing else: the rest are the model's
+    defaults (SamplingParams.for_model)."""
     from dinfer_jax.engine import EDIT_MODES
-    out = dict(EDIT_MODES[a.edit_mode]) if a.edit_mode else {}
-    for name in ("threshold", "editing_threshold", "max_post_steps", "num_to_transfer", "top_k", "top_p",
-                 "sub_block_length", "eb_threshold"):
-        if getattr(a, name) is not None:
-            out[name] = getattr(a, name)
-    for name in ("indel", "confidence_before_filter", "sub_block_cache"):
-        if getattr(a, name, False):
-            out[name] = True
-    out.setdefault("threshold", 0.9)
+    out = dict(EDIT_MODES[a.edit_mode]) if getattr(a, "edit_mode", None) else {}
+    out.update({n: getattr(a, n) for n in _VALUE_FLAGS if getattr(a, n, None) is not None})
+    out.update({n: True for n in _SWITCH_FLAGS if getattr(a, n, False)})
+    if getattr(a, "no_early_stop", False):
+        out["early_stop"] = False
+    for n in ("gen_length", "block_length"):
+        if getattr(a, n, None) is not None:
+            out[n] = getattr(a, n)
     return out
 
 
-def _family_sampler(model_dir: str) -> dict:
-    """The model family's decoding defaults when its own sampler is not one of dInfer's (Dream's
-    strategy "dream"); {} otherwise, and for any folder whose config cannot be read here."""
-    from dinfer_jax import families
-    from dinfer_jax.config import ConfigError, load_hf_config
-    from dinfer_jax.engine import own_sampler
-    try:
-        cfg = load_hf_config(model_dir)
-    except (ConfigError, OSError, ValueError):
-        return {}
-    return dict(families.get(cfg.family).decoding) if own_sampler(cfg) else {}
-
-
-def _sampler_choice(a, model_dir: str) -> dict:
-    """strategy, cache and Dream's fields: explicit flags, else the family's own sampler
-    (`_family_sampler`), else dInfer's defaults (threshold, dual cache)."""
-    fam = _family_sampler(model_dir)
-    strategy = a.strategy or fam.get("strategy", "threshold")
-    own = fam if strategy == fam.get("strategy") else {}
-    out = dict(strategy=strategy, cache=a.cache or own.get("cache", "dual"))
-    for name in ("alg", "alg_temp", "eps"):
-        v = getattr(a, name, None)
-        if v is None:
-            v = own.get(name)
-        if v is not None:
-            out[name] = v
-    return out
+def _model_defaults(model_dir: str, **overrides):
+    """SamplingParams.for_model on the folder's config: the family's defaults, then the folder's
+    generation_config.json, then `overrides` (a setting that contradicts the family warns)."""
+    from dinfer_jax import SamplingParams
+    from dinfer_jax.config import load_hf_config
+    return SamplingParams.for_model(load_hf_config(model_dir), model_dir, **overrides)
 
 
 def _sampling_params(a, model_dir: str):
-    from dinfer_jax import SamplingParams
+    """The command's SamplingParams: the model's defaults with the explicit flags over them."""
     from dinfer_jax.checkpoint import generation_defaults
-    gen_length, block_length = _gen_shape(a, model_dir)
-    choice = _sampler_choice(a, model_dir)
-    if a.block_length is None and choice["strategy"] == "dream" and _family_sampler(model_dir):
-        block_length = gen_length  # Dream decodes the whole canvas as one block
-    sp = SamplingParams(gen_length=gen_length, block_length=block_length,
-                        low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
-                        temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                        early_stop=not a.no_early_stop, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
-                        **choice, **_block_flags(a)).validate()
-    _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
+    sp = _model_defaults(model_dir, **_explicit_flags(a)).validate()
+    _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=sp.gen_length,
+                       block_length=sp.block_length)
     return sp
 
 
@@ -340,14 +323,15 @@ def cmd_eval(a):
     if a.suite == "jsonl":
         ev.read_jsonl(a.data)  # report a malformed file before loading the model
     many = a.suite == "demo"
-    strategies = ev.parse_strategies(a.strategy or ("all" if many else "threshold"))
-    caches = ev.parse_caches(a.cache or ("all" if many else "dual"))
+    # Without --strategy / --cache, jsonl and humaneval decode with the model's defaults (None).
+    strategies = ev.parse_strategies(a.strategy or "all") if a.strategy or many else [None]
+    caches = ev.parse_caches(a.cache or "all") if a.cache or many else [None]
+    from dinfer_jax.checkpoint import generation_defaults
+    lengths = {k: getattr(a, k) for k in ("gen_length", "block_length") if getattr(a, k) is not None}
+    defaults = _model_defaults(model_dir, **lengths).validate()
+    gen_length, block_length = defaults.gen_length, defaults.block_length
     model = load_model(model_dir)
     tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
-    gen_length, block_length = _gen_shape(a, model_dir)
-    from dinfer_jax import SamplingParams
-    from dinfer_jax.checkpoint import generation_defaults
-    SamplingParams(gen_length=gen_length, block_length=block_length).validate()
     _warn_off_defaults(generation_defaults(model_dir), model_dir, gen_length=gen_length, block_length=block_length)
     overrides = dict(threshold=a.threshold, low_threshold=a.low_threshold, factor=a.factor)
     if a.out:
@@ -365,7 +349,7 @@ def cmd_eval(a):
         if a.model is None:
             say("note: the built-in demo model was trained on toy tasks only; HumanEval with it exercises "
                 "the pipeline (pass@1 ~ 0), pass --model for a real checkpoint")
-        sp = ev.sampling_params(strategies[0], caches[0], gen_length, block_length, **overrides)
+        sp = ev.sampling_params(strategies[0], caches[0], gen_length, block_length, model=model, **overrides)
         summary, records = ev.eval_humaneval(model, tok, sp, limit=a.limit, batch_size=a.batch_size)
         result.update(summary)
         text = (f"HumanEval pass@1 {100 * summary['pass@1']:.1f}% on {summary['n']} problems "
@@ -495,28 +479,35 @@ CACHES = ("none", "prefix", "dual", "vicinity", "block")
 
 
 def _add_decoding_flags(p, with_lengths: bool = True):
-    """The decoding settings (dInfer defaults for LLaDA-MoE: threshold 0.9, block 64, dual cache)."""
+    """The decoding settings. Unset flags take the model's defaults (SamplingParams.for_model: its
+    family's, then its folder's generation_config.json; `dinfer-jax info DIR` prints them)."""
     if with_lengths:
         p.add_argument("--gen-length", type=_positive, default=None,
-                       help="tokens to generate (default: the model folder's generation_config.json, else 128)")
+                       help="tokens to generate (default: the model's, else 128)")
         p.add_argument("--block-length", type=_positive, default=None,
-                       help="block size (default: the model folder's generation_config.json, else 64; at most gen-length)")
+                       help="block size (default: the model's: LLaDA2 / SDAR / Fast-dLLM v2 their attention block, "
+                            "else 64; at most gen-length)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="which masked tokens to decode each step (default threshold; a Dream model: dream; "
+                   help="which masked tokens to decode each step (default: the model's: threshold; Dream: dream; "
                         "sequential / entropy_bounded: SDAR's, with --cache block)")
     p.add_argument("--threshold", type=float, default=None,
-                   help="threshold strategies: confidence tau (default 0.9, or the --edit-mode preset's)")
-    p.add_argument("--low-threshold", type=float, default=0.4, help="hierarchy: per-run threshold")
-    p.add_argument("--factor", type=float, default=1.0, help="factor strategy's f")
-    p.add_argument("--steps", type=_positive, default=None, help="fixed/random: total steps (default gen-length)")
-    p.add_argument("--cache", choices=CACHES, default=None, help="KV cache policy (default dual; a Dream model: none)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (Gumbel-max)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="threshold strategies: confidence tau (default: the --edit-mode preset's, else the model's: "
+                        "0.9; LLaDA2 0.95, SDAR 0.85)")
+    p.add_argument("--low-threshold", type=float, default=None, help="hierarchy: per-run threshold (default 0.4)")
+    p.add_argument("--factor", type=float, default=None, help="factor strategy's f (default 1.0)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="fixed/random: total steps (default gen-length); --cache block: steps per block "
+                        "(LLaDA2.0's schedule; LLaDA2 default 32, SDAR 4)")
+    p.add_argument("--cache", choices=CACHES, default=None,
+                   help="KV cache policy (default: the model's: dual; Dream none; LLaDA2 / SDAR / Fast-dLLM v2 block)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; > 0 samples (Gumbel-max) (default: the model's, 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
     p.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
     p.add_argument("--no-early-stop", action="store_true", help="keep decoding blocks after EOS")
     p.add_argument("--ignore-eos", action="store_true",
                    help="decode all gen-length tokens: the EOS logit is -inf, so EOS is never chosen")
-    p.add_argument("--min-tokens", type=int, default=0, help="EOS is forbidden in the first N generated tokens")
+    p.add_argument("--min-tokens", type=int, default=None, help="EOS is forbidden in the first N generated tokens")
     dr = p.add_argument_group("Dream's sampler (--strategy dream; Dream-7B / DiffuCoder)")
     dr.add_argument("--alg", choices=DREAM_ALGS, default=None,
                     help="origin | maskgit_plus | topk_margin | entropy (default: the model's, else origin)")
@@ -528,7 +519,8 @@ def _add_decoding_flags(p, with_lengths: bool = True):
                    help="LLaDA2.1 preset: quality = threshold 0.7, editing 0.5; speed = threshold 0.5, editing 0.0 "
                         "(max-post-steps 16); explicit flags override it")
     b.add_argument("--editing-threshold", type=float, default=None,
-                   help="LLaDA2.1 token-to-token edits above this probability (default: no editing)")
+                   help="LLaDA2.1 token-to-token edits above this probability (default: the folder's "
+                        "generation_config.json, else no editing)")
     b.add_argument("--max-post-steps", type=int, default=None, help="edit forwards per block after its masks are gone (16)")
     b.add_argument("--num-to-transfer", type=int, default=None, help="masks committed per step at least (1)")
     b.add_argument("--sub-block-length", type=int, default=None,
@@ -559,26 +551,25 @@ def _add_scale_flags(p):
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process (env DINFER_PROCESS_ID)")
 
 
+def _serve_defaults(a, model_dir: str):
+    """ServerConfig.default_params: the model's defaults (SamplingParams.for_model) with the serve
+    command's explicit flags over them; --default-max-tokens is their gen_length."""
+    flags = _explicit_flags(a)
+    if a.default_max_tokens is not None:
+        flags["gen_length"] = a.default_max_tokens
+    return _model_defaults(model_dir, **flags)
+
+
 def cmd_serve(a):
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise ValueError("serve needs FastAPI and uvicorn: pip install 'dinfer-jax[serve]'") from None
-    from dinfer_jax import SamplingParams, compile_cache
-    from dinfer_jax.checkpoint import generation_defaults
+    from dinfer_jax import compile_cache
     from dinfer_jax.server import ServerConfig, serve
     model_dir = _model_dir(a)
-    d = generation_defaults(model_dir)
-    block = a.block_length or d.get("block_length", 64)
-    choice = _sampler_choice(a, model_dir)
-    if a.block_length is None and choice["strategy"] == "dream" and _family_sampler(model_dir):
-        block = a.default_max_tokens or d.get("gen_length", 128)  # Dream: one block over the whole canvas
-    defaults = SamplingParams(block_length=block, **choice,
-                              low_threshold=a.low_threshold, factor=a.factor, steps=a.steps,
-                              temperature=a.temperature, seed=a.seed, smoothing=a.smoothing,
-                              early_stop=not a.no_early_stop, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
-                              **_block_flags(a))
+    defaults = _serve_defaults(a, model_dir)
     if a.steps is not None and a.steps > a.max_steps:
         raise ValueError(f"--steps {a.steps} exceeds --max-steps {a.max_steps}")
     if defaults.max_post_steps > a.max_post_steps_limit:
@@ -586,7 +577,7 @@ def cmd_serve(a):
                          f"{a.max_post_steps_limit}")
     name = a.model_name or os.path.basename(os.path.normpath(model_dir))
     cfg = ServerConfig(model_name=name, default_params=defaults,
-                       default_max_tokens=a.default_max_tokens or d.get("gen_length", 128), max_tokens=a.max_tokens,
+                       default_max_tokens=defaults.gen_length, max_tokens=a.max_tokens,
                        max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000,
                        max_steps=a.max_steps, max_post_steps=a.max_post_steps_limit,
                        request_timeout_s=a.request_timeout or None, warmup=a.warmup, scheduler=a.scheduler,
@@ -846,8 +837,18 @@ def _message(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _plain=warnings.showwarning):
+    """engine.FamilyWarning (a setting that contradicts the model family) as one
+    `dinfer-jax: warning:` line; other warnings as Python prints them."""
+    if category.__module__ == "dinfer_jax.engine" and category.__name__ == "FamilyWarning":
+        print(f"dinfer-jax: warning: {message}", file=sys.stderr)
+    else:
+        _plain(message, category, filename, lineno, file, line)
+
+
 def main(argv=None):
     args = None
+    warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
         args.fn(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import time
 import warnings
 from typing import Sequence
@@ -13,6 +14,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from dinfer_jax import families
+from dinfer_jax.config import ConfigError
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import (CACHES, KNOBS, ROW_KNOBS, DecodeSpec, bucket_gen_length, generate_loop,
                                       joins_program, program_spec, same_program)
@@ -288,16 +291,28 @@ class SamplingParams:
         return self
 
     @classmethod
-    def for_model(cls, cfg, **overrides) -> "SamplingParams":
-        """The family's decoding defaults (dinfer_jax/families/, `Family.decoding`) with `overrides`
-        on top; a Dream model gets Dream's sampler. gen_length alone keeps a whole-canvas family
-        default (block_length == gen_length) whole-canvas."""
-        from dinfer_jax import families
-        d = dict(families.get(cfg.family).decoding)
-        if ("gen_length" in overrides and "block_length" not in overrides
-                and d.get("block_length") is not None and d.get("block_length") == d.get("gen_length")):
-            d["block_length"] = overrides["gen_length"]
-        return cls(**{**d, **overrides})
+    def for_model(cls, cfg, folder: str | None = None, *, defaults: "SamplingParams | None" = None,
+                  **overrides) -> "SamplingParams":
+        """THE decoding settings of a model (docs/decoding_defaults.md): its family's documented
+        defaults (`Family.decoding`: its authors' own generate() defaults), then what its folder
+        sets (config.json's attention block, generation_config.json: `families.folder_decoding`),
+        then `overrides` (explicit flags, request fields, arguments), merged by `families.layer`.
+        defaults: an already resolved SamplingParams to start from instead (the server's defaults,
+        with a request's fields as overrides). A full-canvas cache on a block-causal model warns
+        once, saying what changes."""
+        fam = families.get(cfg.family)
+        whole = families.whole_canvas(fam)
+        own = {} if defaults is not None else families.folder_decoding(cfg, folder)
+        base = (dataclasses.asdict(defaults) if defaults is not None
+                else families.layer(dict(fam.decoding), own, whole))
+        try:
+            sp = cls(**families.layer(base, overrides, whole))
+        except InvalidParam as e:  # a bad value from the folder names its file
+            if e.field in own and e.field not in overrides and folder is not None:
+                raise ConfigError(f"{os.path.join(folder, families.GENERATION_CONFIG)}: {e}") from None
+            raise
+        _warn_family_conflict(cfg, sp)
+        return sp
 
     def spec_for(self, cfg) -> DecodeSpec:
         """`spec` with a model config's mask / EOS ids and logit shift, checked against what the model
@@ -571,9 +586,8 @@ class Generator:
         share the compiled settings; KNOBS such as threshold, temperature and seed may differ).
         observer: fn(step, gen_BG, blk_B, done_B, active_B) called on the host after every loop
         iteration (decoding/observe.py); it selects a program variant with one callback per step."""
-        if params is None:  # a family with its own sampler (Dream) uses it; the others dInfer's defaults
-            cfg = self.model.config
-            params = SamplingParams.for_model(cfg) if own_sampler(cfg) else SamplingParams()
+        if params is None:  # the model's family / folder defaults (SamplingParams.for_model)
+            params = SamplingParams.for_model(self.model.config, self.model.folder)
         oid = 0
         if observer is not None:
             from dinfer_jax.decoding import observe
@@ -633,11 +647,29 @@ def check_model(spec: DecodeSpec, cfg) -> DecodeSpec:
     return spec
 
 
-def own_sampler(cfg) -> bool:
-    """Whether cfg's family decodes by default with its own sampler (strategy "dream") rather than
-    dInfer's defaults (the CLI and `generate(params=None)` then use `SamplingParams.for_model`)."""
-    from dinfer_jax import families
-    return families.get(cfg.family).decoding.get("strategy") == DREAM
+class FamilyWarning(UserWarning):
+    """A setting that contradicts the model family (e.g. a full-canvas cache on a block-causal model)."""
+
+
+_WARNED: set = set()
+
+
+def family_conflict(cfg, p: SamplingParams) -> str | None:
+    """What changes when p contradicts cfg's family, in one line; None when nothing does."""
+    if cfg.attention_mask == "block_causal" and p.cache != "block":
+        return (f"cache={p.cache!r} on a block-causal {cfg.family} model: it is decoded with dInfer's full-canvas "
+                f"loop (forwards over the whole canvas, dInfer's transfer rule"
+                f"{', approximate cached K/V' if p.cache != 'none' else ''}, no token editing), not with block "
+                f"diffusion (cache='block': block by block, exact prefix cache, its authors' sampler); its tokens "
+                f"differ from its authors' generate()")
+    return None
+
+
+def _warn_family_conflict(cfg, p: SamplingParams):
+    msg = family_conflict(cfg, p)
+    if msg is not None and (cfg.family, msg) not in _WARNED:
+        _WARNED.add((cfg.family, msg))
+        warnings.warn(msg, FamilyWarning, stacklevel=3)
 
 
 def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:

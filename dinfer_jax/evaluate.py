@@ -36,12 +36,20 @@ STRATEGY_SETTINGS = {
 }
 
 
-def sampling_params(strategy: str, cache: str, gen_length: int, block_length: int, **overrides) -> SamplingParams:
+def sampling_params(strategy: str | None, cache: str | None, gen_length: int, block_length: int, model=None,
+                    **overrides) -> SamplingParams:
+    """One table setting: `strategy` / `cache` with its STRATEGY_SETTINGS and `overrides` (None
+    values ignored). With `model`: over the model's defaults (SamplingParams.for_model, its folder's
+    included), where strategy / cache None keep the model's own; without: over SamplingParams()."""
     kw = dict(STRATEGY_SETTINGS.get(strategy, {}))
     if strategy in ("fixed", "random", "dream"):
         kw["steps"] = gen_length
     kw.update({k: v for k, v in overrides.items() if v is not None})
-    return SamplingParams(gen_length=gen_length, block_length=block_length, strategy=strategy, cache=cache, **kw)
+    kw.update({k: v for k, v in (("strategy", strategy), ("cache", cache)) if v is not None})
+    if model is None:
+        return SamplingParams(gen_length=gen_length, block_length=block_length, **kw)
+    return SamplingParams.for_model(model.config, model.folder, gen_length=gen_length, block_length=block_length,
+                                    **kw)
 
 
 def _parse_list(text, allowed, what, every=None):
@@ -133,12 +141,12 @@ def eval_demo(model, tok, n: int = 100, seed: int = 12345, strategies=("fixed", 
     rows = []
     for strategy in strategies:
         for cache in caches:
-            sp = sampling_params(strategy, cache, gen_length, block_length, **(overrides or {}))
+            sp = sampling_params(strategy, cache, gen_length, block_length, model=model, **(overrides or {}))
             run = run_prompts(model, tok, prompt_ids, sp, batch_size)
             ok = [o == p["answer"] for o, p in zip(run.outputs, probs)]
             per_task = {t: float(np.mean([k for k, p in zip(ok, probs) if p["task"] == t]))
                         for t in T.TASKS if any(p["task"] == t for p in probs)}
-            row = {"strategy": strategy, "cache": cache, "n": n, "accuracy": float(np.mean(ok)),
+            row = {"strategy": sp.strategy, "cache": sp.cache, "n": n, "accuracy": float(np.mean(ok)),
                    "per_task": per_task, "nfe": float(np.mean(run.nfe)), "tpf": run.tpf,
                    "tokens_per_s": run.tokens_per_s, "seconds": run.seconds,
                    "compile_seconds": run.compile_seconds, "settings": _settings(sp)}
@@ -286,10 +294,10 @@ def eval_jsonl(model, tok, path: str, strategies=("threshold",), caches=("dual",
     rows, preds = [], []
     for strategy in strategies:
         for cache in caches:
-            sp = sampling_params(strategy, cache, gen_length, block_length, **(overrides or {}))
+            sp = sampling_params(strategy, cache, gen_length, block_length, model=model, **(overrides or {}))
             run = run_prompts(model, tok, prompt_ids, sp, batch_size)
             ok = [o.strip() == p["answer"].strip() for o, p in zip(run.outputs, probs)]
-            row = {"strategy": strategy, "cache": cache, "n": len(probs), "accuracy": float(np.mean(ok)),
+            row = {"strategy": sp.strategy, "cache": sp.cache, "n": len(probs), "accuracy": float(np.mean(ok)),
                    "nfe": float(np.mean(run.nfe)), "tpf": run.tpf, "tokens_per_s": run.tokens_per_s,
                    "seconds": run.seconds, "compile_seconds": run.compile_seconds, "settings": _settings(sp)}
             rows.append(row)

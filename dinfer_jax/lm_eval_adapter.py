@@ -6,9 +6,10 @@
   `lm_eval.models` entry point `dinfer_jax`, which lm-eval versions with plugin discovery pick up
   so that plain `lm_eval --model dinfer_jax` works)
 
-model_args: pretrained (model folder; default the built-in demo model), gen_length, block_length
-(default: the folder's generation_config.json, else 128 / 64), strategy, cache, threshold,
-low_threshold, factor, steps, batch_size, mc_num (Monte-Carlo samples per loglikelihood).
+model_args: pretrained (model folder; default the built-in demo model), gen_length, block_length,
+strategy, cache, threshold, low_threshold, factor, steps (each unset one: the model's default,
+SamplingParams.for_model: its family's, then its folder's generation_config.json), batch_size,
+mc_num (Monte-Carlo samples per loglikelihood).
 
 - generate_until: diffusion decoding of gen_length tokens, cut at the request's `until` strings.
 - loglikelihood: the masked-diffusion bound LLaDA's evaluation uses: for each of mc_num draws mask
@@ -38,24 +39,23 @@ def _bool(v):
 
 @register_model("dinfer_jax", "dinfer-jax")
 class DinferJaxLM(LM):
-    def __init__(self, pretrained: str | None = None, gen_length=None, block_length=None, strategy: str = "threshold",
-                 cache: str = "dual", threshold=None, low_threshold=None, factor=None, steps=None, batch_size=8,
+    def __init__(self, pretrained: str | None = None, gen_length=None, block_length=None, strategy: str | None = None,
+                 cache: str | None = None, threshold=None, low_threshold=None, factor=None, steps=None, batch_size=8,
                  mc_num=8, seed=0, **kwargs):
         super().__init__()
-        from dinfer_jax import load_model
-        from dinfer_jax.checkpoint import DEMO_MODEL_DIR, generation_defaults
+        from dinfer_jax import SamplingParams, load_model
+        from dinfer_jax.checkpoint import DEMO_MODEL_DIR
         from dinfer_jax.evaluate import sampling_params
         from dinfer_jax.tokenizer import load_tokenizer
         self.path = pretrained or DEMO_MODEL_DIR
         self.model = load_model(self.path)
         self.tok = load_tokenizer(self.path)
-        d = generation_defaults(self.path)
-        gen = int(gen_length) if gen_length is not None else d.get("gen_length", 128)
-        block = int(block_length) if block_length is not None else min(d.get("block_length", 64), gen)
+        lengths = {k: int(v) for k, v in (("gen_length", gen_length), ("block_length", block_length)) if v is not None}
+        d = SamplingParams.for_model(self.model.config, self.path, **lengths)  # the model's defaults
         over = dict(threshold=None if threshold is None else float(threshold),
                     low_threshold=None if low_threshold is None else float(low_threshold),
                     factor=None if factor is None else float(factor), steps=None if steps is None else int(steps))
-        self.sp = sampling_params(strategy, cache, gen, block, **over)
+        self.sp = sampling_params(strategy, cache, d.gen_length, d.block_length, model=self.model, **over)
         self.batch_size_ = int(batch_size) if str(batch_size) != "auto" else 8
         self.mc_num = int(mc_num)
         self.rng = np.random.default_rng(int(seed))

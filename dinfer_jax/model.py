@@ -35,14 +35,15 @@ class Model:
     attention_impl: str = "auto"
     mesh: Any = None
     platform: str | None = None  # compile target for kernel choice; None = where the params live
+    folder: str | None = None  # the model folder it was loaded from (its decoding defaults: SamplingParams.for_model)
 
     def with_mesh(self, mesh) -> "Model":
         """The same model with params placed on `mesh` (ShardingError if the mesh does not fit)."""
         if mesh is None:
-            return Model(self.config, self.params, self.moe_impl, self.attention_impl, None, self.platform)
+            return Model(self.config, self.params, self.moe_impl, self.attention_impl, None, self.platform, self.folder)
         shd.check_mesh_fits(self.config, mesh)
         flat = shd.shard_params(flatten(self.params), self.config, mesh)
-        return Model(self.config, unflatten(flat), self.moe_impl, self.attention_impl, mesh, self.platform)
+        return Model(self.config, unflatten(flat), self.moe_impl, self.attention_impl, mesh, self.platform, self.folder)
 
     @property
     def target_platform(self) -> str:
@@ -159,7 +160,7 @@ def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: st
         shardings = shd.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()},
                                         man.get("quantization"))
         flat = ckpt.read_params(path, dtype=dtype, shardings=shardings)
-        return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh)
+        return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh, folder=path)
     if ckpt.is_checkpoint(path):  # one parameter at a time on host: peak = params + the largest one
         cfg = ckpt.read_config(path)
         man = ckpt.read_manifest(path)
@@ -171,5 +172,5 @@ def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: st
         from converters.hf_import import load_hf_params
         cfg, host = load_hf_params(path, progress=progress)
         flat = {k: jnp.asarray(host.pop(k), dtype=dtype) for k in list(host)}
-    model = Model(cfg, unflatten(flat), moe_impl, attention_impl)
+    model = Model(cfg, unflatten(flat), moe_impl, attention_impl, folder=path)
     return model if mesh is None else model.with_mesh(mesh)

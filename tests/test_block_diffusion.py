@@ -175,12 +175,12 @@ def test_block_knobs_through_cli_and_server_names(tmp_path):
     p = argparse.ArgumentParser()
     cli._add_decoding_flags(p)
     a = p.parse_args(["--cache", "block", "--edit-mode", "quality", "--max-post-steps", "4"])
-    assert cli._block_flags(a) == dict(EDIT_MODES["quality"], max_post_steps=4)
+    assert cli._explicit_flags(a) == dict(EDIT_MODES["quality"], max_post_steps=4, cache="block")
     a = p.parse_args(["--cache", "block", "--edit-mode", "speed", "--threshold", "0.6", "--editing-threshold", "0.1",
                       "--num-to-transfer", "2", "--top-k", "5", "--top-p", "0.9"])
-    assert cli._block_flags(a) == dict(threshold=0.6, editing_threshold=0.1, max_post_steps=16, num_to_transfer=2,
-                                       top_k=5, top_p=0.9)
-    assert cli._block_flags(p.parse_args([]))["threshold"] == 0.9
+    assert cli._explicit_flags(a) == dict(threshold=0.6, editing_threshold=0.1, max_post_steps=16, num_to_transfer=2,
+                                          top_k=5, top_p=0.9, cache="block")
+    assert cli._explicit_flags(p.parse_args([])) == {}  # the rest: the model's defaults (SamplingParams.for_model)
     with pytest.raises(InvalidParam, match="editing_threshold=0.5 applies to block diffusion only") as e:
         SamplingParams(cache="dual", editing_threshold=0.5).validate()
     assert e.value.field == "editing_threshold"
@@ -383,9 +383,9 @@ def test_indel_validation(model, indel_model):
     from dinfer_jax.server import DinferFields
     ap = argparse.ArgumentParser()
     cli._add_decoding_flags(ap)
-    assert cli._block_flags(ap.parse_args(["--cache", "block", "--indel", "--edit-mode", "speed"])) == dict(
-        threshold=0.5, editing_threshold=0.0, max_post_steps=16, indel=True)
-    assert "indel" not in cli._block_flags(ap.parse_args([])) and "indel" in DinferFields.model_fields
-    assert cli._block_flags(ap.parse_args(["--cache", "block", "--confidence-before-filter"]))[
+    assert cli._explicit_flags(ap.parse_args(["--cache", "block", "--indel", "--edit-mode", "speed"])) == dict(
+        threshold=0.5, editing_threshold=0.0, max_post_steps=16, indel=True, cache="block")
+    assert "indel" not in cli._explicit_flags(ap.parse_args([])) and "indel" in DinferFields.model_fields
+    assert cli._explicit_flags(ap.parse_args(["--cache", "block", "--confidence-before-filter"]))[
         "confidence_before_filter"] is True
     assert "confidence_before_filter" in DinferFields.model_fields

@@ -203,9 +203,9 @@ def test_sub_block_cache_bad_input_names_the_field():
     from dinfer_jax import cli
     ap = argparse.ArgumentParser()
     cli._add_decoding_flags(ap)
-    got = cli._block_flags(ap.parse_args(["--cache", "block", "--sub-block-length", "4", "--sub-block-cache"]))
+    got = cli._explicit_flags(ap.parse_args(["--cache", "block", "--sub-block-length", "4", "--sub-block-cache"]))
     assert got["sub_block_cache"] is True and got["sub_block_length"] == 4
-    assert "sub_block_cache" not in cli._block_flags(ap.parse_args([]))
+    assert "sub_block_cache" not in cli._explicit_flags(ap.parse_args([]))
     pytest.importorskip("pydantic")
     from dinfer_jax.server import DinferFields, derive_params
     assert "sub_block_cache" in DinferFields.model_fields

@@ -247,8 +247,8 @@ def test_cli_flag_and_server_field():
     ap = argparse.ArgumentParser()
     cli._add_decoding_flags(ap)
     a = ap.parse_args(["--cache", "block", "--strategy", "entropy_bounded", "--eb-threshold", "0.5"])
-    assert a.strategy == "entropy_bounded" and cli._block_flags(a)["eb_threshold"] == 0.5
-    assert "eb_threshold" not in cli._block_flags(ap.parse_args([]))
+    assert a.strategy == "entropy_bounded" and cli._explicit_flags(a)["eb_threshold"] == 0.5
+    assert "eb_threshold" not in cli._explicit_flags(ap.parse_args([]))
     assert ap.parse_args(["--strategy", "sequential"]).strategy == "sequential"
     pytest.importorskip("pydantic")
     from dinfer_jax.server import DinferFields, derive_params

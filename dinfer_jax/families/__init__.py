@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 from typing import Any, Callable, Mapping
+
+from dinfer_jax.config import ConfigError
 
 # ChatML turns (Qwen-based families: Dream, SDAR, Fast-dLLM v2), the plain-message path of their
 # templates. A model folder's own chat_template (tokenizer_config.json) always wins.
@@ -28,7 +32,10 @@ class Family:
     """What one model family is (see the module doc).
 
     read_config(hf, ids_for_vocab, where) -> ModelConfig: `ids_for_vocab(V)` resolves the special ids
-    (config.json > folder files > `default_ids` that fit V). decoding: SamplingParams defaults."""
+    (config.json > folder files > `default_ids` that fit V). decoding: SamplingParams defaults (the
+    family's authors' own generate() defaults, docs/decoding_defaults.md). generation_fields: the
+    generation_config.json keys (named as SamplingParams fields) the authors' generate() takes from
+    a model folder, read over `decoding` by `decoding_defaults`."""
     name: str
     architectures: tuple[str, ...]
     read_config: Callable[[Mapping[str, Any], Callable[[int], dict], str], Any]
@@ -39,6 +46,7 @@ class Family:
     bos_token: str = ""
     presets: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     decoding: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    generation_fields: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -59,7 +67,6 @@ def all_families() -> list[Family]:
 def get(name: str) -> Family:
     reg = _load()
     if name not in reg:
-        from dinfer_jax.config import ConfigError
         raise ConfigError(f"unknown model family {name!r}; known: {', '.join(reg)}")
     return reg[name]
 
@@ -72,3 +79,87 @@ def architectures() -> dict[str, str]:
 def by_architecture(arch: str) -> Family | None:
     name = architectures().get(arch)
     return None if name is None else _load()[name]
+
+
+GENERATION_CONFIG = "generation_config.json"
+# A default `steps` (LLaDA2.0's per-block transfer schedule) gives way to a later layer that turns
+# on one of these (LLaDA2.1's generate() has no schedule: its `steps` argument is unused).
+_NO_SCHEDULE = (("editing_threshold", None), ("indel", False), ("sub_block_length", 0))
+# Fields that mean something under one cache / strategy only: a lower layer's value is dropped
+# when a later layer switches to another (e.g. --cache dual on a Fast-dLLM v2 folder drops its
+# sub-blocks; --strategy threshold on a Dream folder drops Dream's alg).
+_SCOPED = {
+    ("cache", "block"): ("steps", "editing_threshold", "max_post_steps", "num_to_transfer", "sub_block_length",
+                         "sub_block_cache", "indel", "confidence_before_filter", "top_k", "top_p"),
+    ("strategy", "dream"): ("alg", "alg_temp", "eps", "top_k", "top_p"),
+    ("strategy", "entropy_bounded"): ("eb_threshold",),
+}
+
+
+def read_generation_config(folder: str | os.PathLike | None) -> dict:
+    """The folder's generation_config.json as a dict ({} when there is none)."""
+    if folder is None:
+        return {}
+    path = os.path.join(folder, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def folder_decoding(cfg, folder: str | os.PathLike | None) -> dict:
+    """What a model folder sets over its family's decoding defaults: the model's attention block
+    (block-causal models: config.json's block_size), then from generation_config.json the fields
+    the family's authors' generate() reads (`Family.generation_fields`; null = absent), then our own
+    "dinfer_jax" entry (gen_length / block_length, written by dinfer_jax.train)."""
+    fam = get(cfg.family)
+    out = {}
+    if cfg.attention_mask == "block_causal":
+        out["block_length"] = cfg.block_size
+    gen = read_generation_config(folder)
+    out.update({k: gen[k] for k in fam.generation_fields if gen.get(k) is not None})
+    ours = gen.get("dinfer_jax") or {}
+    if not isinstance(ours, dict):
+        raise ConfigError(f"{os.path.join(folder, GENERATION_CONFIG)}: \"dinfer_jax\" must be an object")
+    out.update({k: ours[k] for k in ("gen_length", "block_length") if ours.get(k) is not None})
+    return out
+
+
+def whole_canvas(fam: Family) -> bool:
+    """Whether the family decodes the whole canvas as one block (Dream: block_length == gen_length)."""
+    return fam.decoding.get("block_length") is not None and fam.decoding.get("block_length") == fam.decoding.get(
+        "gen_length")
+
+
+def layer(base: Mapping[str, Any], upd: Mapping[str, Any], whole: bool = False) -> dict:
+    """`upd` over `base` (dicts of SamplingParams fields) with the rules that keep a default
+    consistent with what is set over it:
+      - gen_length without block_length: with `whole` (a whole-canvas family, `whole_canvas`) a
+        default block_length == gen_length stays whole-canvas; otherwise a full-canvas default
+        block longer than gen_length shrinks to it (a block-diffusion block is the model's
+        attention block and never shrinks);
+      - editing, indel or sub-blocks without steps: the default `steps` schedule is dropped
+        (LLaDA2.1's generate() ignores `steps`; SamplingParams refuses the combination);
+      - another cache / strategy: the lower layer's fields that belong to the old one (`_SCOPED`)
+        are dropped unless `upd` sets them."""
+    out = {**base, **upd}
+    for (key, value), names in _SCOPED.items():
+        if base.get(key) == value and upd.get(key, value) != value:
+            for n in names:
+                if n not in upd:
+                    out.pop(n, None)
+    if "gen_length" in upd and "block_length" not in upd and base.get("block_length") is not None:
+        if whole and base.get("block_length") == base.get("gen_length"):
+            out["block_length"] = upd["gen_length"]
+        elif out.get("cache") != "block" and base["block_length"] > upd["gen_length"]:
+            out["block_length"] = upd["gen_length"]
+    if "steps" not in upd and any(k in upd and upd[k] != off for k, off in _NO_SCHEDULE):
+        out.pop("steps", None)
+    return out
+

@@ -80,6 +80,8 @@ FAMILY = Family(
     name="llada", architectures=("LLaDAModelLM",), read_config=read_config, write_config=write_config,
     weights=weights, default_ids=DEFAULT_IDS, chat_template=CHAT_TEMPLATE, bos_token="<|startoftext|>",
     presets=PRESETS,
-    # LLaDA's own generate(): gen 128, block 32, low-confidence remasking (models.md / decoding.md)
-    decoding=dict(gen_length=128, block_length=32, strategy="fixed", cache="none"),
+    # dInfer's defaults, as for LLaDA-MoE (docs/decoding_defaults.md): threshold 0.9, block 64, dual
+    # cache. LLaDA's own generate() (gen 128, block 32, steps 128, low-confidence remasking, no cache)
+    # is SamplingParams(gen_length=128, block_length=32, strategy="fixed", steps=128, cache="none").
+    decoding=dict(block_length=64, strategy="threshold", threshold=0.9, cache="dual"),
 )

@@ -20,6 +20,10 @@ DEFAULT_IDS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=15689
 # LLaDA2.2 edit-control tokens (2nd-hand, fluxserve defaults; read from config.json when present).
 EDIT_TOKENS = (("delete_token_id", 156930), ("split_token_id", 156931))
 BLOCK_SIZE = 32  # generate()'s block_length default; the attention block of the block-causal mask
+# generation_config.json keys read over the defaults: the HF generate() keyword arguments that are
+# decoding settings (LLaDA2.0 / 2.1 share the names; 2.1 adds the editing ones).
+GENERATION_FIELDS = ("gen_length", "block_length", "steps", "threshold", "editing_threshold", "max_post_steps",
+                     "num_to_transfer", "temperature", "top_k", "top_p")
 
 
 def read_config(hf, ids_for_vocab, where) -> ModelConfig:
@@ -158,6 +162,10 @@ PRESETS = {
 FAMILY = Family(
     name="llada2", architectures=("LLaDA2MoeModelLM",), read_config=read_config, write_config=write_config,
     weights=weights, default_ids=DEFAULT_IDS, chat_template=CHAT_TEMPLATE, bos_token="", presets=PRESETS,
-    # HF generate() defaults (reference §5): block 32, threshold 0.95, temperature 0
-    decoding=dict(block_length=BLOCK_SIZE, strategy="threshold", threshold=0.95),
+    # LLaDA2.0's HF generate() defaults (docs/decoding_defaults.md): block diffusion, block 32, steps
+    # 32 (the per-block transfer schedule), threshold 0.95, temperature 0, no editing. A folder whose
+    # generation_config.json names editing_threshold (LLaDA2.1 / 2.2) gets LLaDA2.1's sampler: its
+    # values over these, `steps` dropped (2.1's generate() ignores it), max_post_steps 16.
+    decoding=dict(block_length=BLOCK_SIZE, strategy="threshold", threshold=0.95, steps=BLOCK_SIZE, cache="block"),
+    generation_fields=GENERATION_FIELDS,
 )
