@@ -203,14 +203,17 @@ class Job:
 
 def derive_params(d: SamplingParams, upd: dict, max_tokens: int, model_cfg=None) -> SamplingParams:
     """A request's SamplingParams: the server defaults `d` with the body's fields `upd`; the block
-    is at most max_tokens, gen_length is max_tokens rounded up to whole blocks, and fixed / random / dream
+    is at most max_tokens (not with cache "block": there it is the model's attention block),
+    gen_length is max_tokens rounded up to whole blocks, and fixed / random / dream
     strategies default to one step per token. A server default that a rule between fields refuses
     next to the request's own fields (Dream's `alg` after `"strategy": "threshold"`, LLaDA2's block
     settings after `"cache": "dual"`) yields: it falls back to SamplingParams' own default. The
     result is checked against the model (`spec_for`) when model_cfg is given. InvalidParam on a bad
     value, naming a field the request set."""
     upd = dict(upd)
-    block = min(dataclasses.replace(d, **upd).block_length, max_tokens)  # the engine's rules (InvalidParam)
+    merged = dataclasses.replace(d, **upd)  # the engine's per-field rules (InvalidParam)
+    # a full-canvas block shrinks to max_tokens; a block-causal model's block is its attention block
+    block = merged.block_length if merged.cache == "block" else min(merged.block_length, max_tokens)
     upd["block_length"] = block
     upd["gen_length"] = -(-max_tokens // block) * block
     if upd.get("strategy", d.strategy) in ("fixed", "random", "dream") and "steps" not in upd:
