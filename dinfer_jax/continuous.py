@@ -56,6 +56,7 @@ def prompt_bucket(n: int) -> int:
 
 class ContinuousBatcher(Batcher):
     """Continuous batching over RunningBatches (module doc). One scheduler thread."""
+    EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted")
 
     def __init__(self, generator, tokenizer, cfg, segment: int = DEFAULT_SEGMENT, max_programs: int = 4):
         from dinfer_jax.decoding.prefix_cache import PrefixCache
@@ -67,9 +68,6 @@ class ContinuousBatcher(Batcher):
         self._compiling: dict = {}  # program key -> Future (background compiles)
         self._compile_started: dict = {}  # program key -> monotonic start (the watchdog reads it)
         super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
-        with self.cond:
-            for k in ("segments", "admitted", "running_rows", "background_compiles", "waiting_for_compile", "evicted"):
-                self.stats.setdefault(k, 0)
 
     # ---- background compilation (the compile thread)
 
@@ -121,9 +119,13 @@ class ContinuousBatcher(Batcher):
         with self.cond:
             return not self.pending and not any(rb.running or rb.waiting for rb in self.batches) and self.busy is None
 
-    def _new_batch(self, params, size, max_prompt_len, gen_length=None):
+    def _running_batch(self, params, size, max_prompt_len, gen_length=None):
+        """An empty RunningBatch for prompts up to max_prompt_len, built for their prompt bucket."""
         head_room = params.spec_for(self.gen.model.config).head_room
-        rb = self.gen.running_batch(params, size, prompt_bucket(max_prompt_len + head_room) - head_room, gen_length)
+        return self.gen.running_batch(params, size, prompt_bucket(max_prompt_len + head_room) - head_room, gen_length)
+
+    def _new_batch(self, params, size, max_prompt_len, gen_length=None):
+        rb = self._running_batch(params, size, max_prompt_len, gen_length)
         rb.background = self._compile_async
         rb.waiting = []  # jobs assigned to this batch while its programs compile
         rb.compiling = None
@@ -152,7 +154,7 @@ class ContinuousBatcher(Batcher):
     def _warmup_batch(self, p, size, ids) -> int:
         """Compile a RunningBatch of `size` slots for prompts of len(ids) (its bucket): what `_pick`
         checks before a new batch of this kind runs."""
-        rb = self._new_batch(p, size, len(ids), bucket_gen_length(p.spec_for(self.gen.model.config)))
+        rb = self._running_batch(p, size, len(ids), bucket_gen_length(p.spec_for(self.gen.model.config)))
         if self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
             return 0
         self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)
@@ -211,7 +213,7 @@ class ContinuousBatcher(Batcher):
         while True:
             with self.cond:
                 while not self._has_work() and not self._stop:
-                    self.cond.wait()
+                    self.cond.wait(0.5)  # also woken by submits and finished compiles
                 if self._stop:
                     self._cancel_all()
                     return

@@ -251,6 +251,8 @@ class Batcher:
     A watchdog thread answers 504 to the requests of a batch / segment running past
     cfg.watchdog_s (counted in /metrics; `stuck()` while it lasts: /health answers 503)."""
 
+    EXTRA_STATS: tuple = ()  # a subclass's own counters (set before the scheduler thread starts)
+
     def __init__(self, generator, tokenizer, cfg: ServerConfig):
         self.gen, self.tok, self.cfg = generator, tokenizer, cfg
         mc = generator.model.config
@@ -261,7 +263,8 @@ class Batcher:
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "cancelled": 0,
                       "batches": 0, "max_batch_size": 0, "batch_sizes": collections.Counter(),
                       "generated_tokens": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None,
-                      "scheduler_errors": 0, "watchdog_timeouts": 0, "compile_timeouts": 0}
+                      "scheduler_errors": 0, "watchdog_timeouts": 0, "compile_timeouts": 0,
+                      **{k: 0 for k in self.EXTRA_STATS}}
         self.busy: Optional[Busy] = None  # the scheduler's current batch / segment (the watchdog reads it)
         self._answer_lock = threading.Lock()
         self.ready = threading.Event()
@@ -662,6 +665,8 @@ def check_server_config(model, cfg: ServerConfig) -> None:
         problems.append(f"--max-body-mb allows only {cfg.max_body_bytes} bytes: no request fits")
     if problems:
         raise ValueError("; ".join(problems))
+    if getattr(model, "params", None) is None:  # a stand-in model (tests): nothing to measure
+        return
     mem, what = memory_bytes(model)
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
     free = mem - weights

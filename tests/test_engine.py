@@ -159,7 +159,7 @@ def test_compile_once_per_bucket(model):
     (dict(cache="paged"), "cache='paged' is not one of"),
     (dict(gen_length=20, block_length=8), "gen_length=20 must be a positive multiple of block_length=8"),
     (dict(strategy="fixed", steps=3), r"steps=3 must be a positive multiple of the number of blocks \(2\)"),
-    (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+    (dict(temperature=-1.0), r"temperature=-1.0 must be in \[0.0, 1000.0\]"),
     (dict(smoothing=True, cache="prefix"), "iteration smoothing with the prefix cache is not supported"),
     (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*32\)"),
 ])
