@@ -11,6 +11,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The CLI turns JAX's persistent compile cache on by default; tests (in-process CLI calls and their
 # subprocesses) leave ~/.cache alone unless a test sets its own folder.
 os.environ.setdefault("DINFER_JAX_COMPILE_CACHE", "off")
+# With libtpu installed (the `tpu` extra) jax would probe for a TPU in every test process; tests run
+# on the CPU and compile for TPU only through compile-only topologies (tests/test_tpu_compile.py).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 from dinfer_jax.config import preset  # noqa: E402
 

@@ -132,6 +132,7 @@ def test_block_model_rejections_and_startup_checks():
     cfg = ServerConfig(model_name="demo-block", max_batch=4, max_tokens=32, default_max_tokens=16,
                        default_params=derive_params(ServerConfig("x").default_params, {"cache": "block",
                                                                                           "block_length": 4}, 16))
+    want = _engine(model, tok, cfg, {"prompt": PROMPT, "max_tokens": 8})  # before the server's threads run
     with InProcessServer(model, tok, cfg) as s:
         for body, param in (({"indel": True}, "indel"), ({"cache": "dual", "sub_block_length": 2}, "sub_block_length"),
                             ({"cache": "dual", "strategy": "sequential"}, "strategy"),
@@ -140,7 +141,7 @@ def test_block_model_rejections_and_startup_checks():
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, timeout=300)
         assert ok.status_code == 200
-        assert ok.json()["choices"][0]["token_ids"] == _engine(model, tok, cfg, {"prompt": PROMPT, "max_tokens": 8})
+        assert ok.json()["choices"][0]["token_ids"] == want
         # the server default (block cache) yields to a request's full-canvas cache
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "cache": "dual"},
                        timeout=300)
