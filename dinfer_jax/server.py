@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -294,17 +295,14 @@ class Batcher:
         b = self.busy
         return f"{b.what} running for {time.monotonic() - b.started:.0f}s" if b is not None and b.flagged else None
 
+    @contextlib.contextmanager
     def running(self, what: str, jobs: list):
         """Context: the scheduler runs `what` for `jobs` (the watchdog's view)."""
-        batcher = self
-
-        class _Running:
-            def __enter__(self):
-                batcher.busy = Busy(time.monotonic(), what, list(jobs))
-
-            def __exit__(self, *exc):
-                batcher.busy = None
-        return _Running()
+        self.busy = Busy(time.monotonic(), what, list(jobs))
+        try:
+            yield
+        finally:
+            self.busy = None
 
     def _watch(self):
         period = max(0.05, min(1.0, self.cfg.watchdog_s / 10, self.cfg.compile_watchdog_s / 10))
