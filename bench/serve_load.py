@@ -7,10 +7,16 @@ so different compiled programs). Every program is compiled by a warmup request f
 records the time to its first streamed block and its end-to-end latency; the client waits at most
 --drain seconds after the last arrival (the run is bounded), and unfinished requests are counted.
 
+Closed loop (--concurrency 1,8,64,200): for each level C, C clients each send a request, wait for
+its answer, and send the next, for --duration seconds; requests still open --drain seconds after
+that are "lost". One table row per (scheduler, C).
+
 Reports per scheduler: completed requests/s, generated tokens/s, p50/p99 time to first block and
-end-to-end latency; writes --json and a plot (--plot).
+end-to-end latency, errors (non-200 status or an error event) and lost requests; writes --json and a
+plot (--plot, open loop only).
 
   python bench/serve_load.py [--rate 40] [--duration 20] [--max-tokens 16,32,64] [--json F] [--plot F]
+  python bench/serve_load.py --concurrency 1,8,64,200 --duration 20 [--json F]
 """
 from __future__ import annotations
 
@@ -72,6 +78,7 @@ async def _one(client, url, prompt, max_tokens, t_send, rec):
                     continue
                 d = json.loads(line[6:])
                 if "error" in d:
+                    r["error"] = str(d["error"])[:200]
                     return
                 delta = d["choices"][0]["text"] if d.get("choices") else ""
                 if delta and r["first"] is None:
@@ -79,6 +86,8 @@ async def _one(client, url, prompt, max_tokens, t_send, rec):
                 text += delta
             r["end"] = time.perf_counter()
             r["ok"] = resp.status_code == 200
+            if not r["ok"]:
+                r["error"] = f"HTTP {resp.status_code}"
             r["tokens"] = len(text)  # the demo model's tokenizer is one character per token
             if r["first"] is None:
                 r["first"] = r["end"]
@@ -112,6 +121,32 @@ async def _load(url, prompts, rate, duration, drain, mix, seed):
     return rec, t0, end_arrivals, t_end
 
 
+async def _closed(url, prompts, concurrency, duration, drain, mix, seed):
+    """`concurrency` clients, each sending its next request when the previous one is answered."""
+    import httpx
+    rng = random.Random(seed)
+    rec = []
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=max(1000, 2 * concurrency))) as client:
+        for mt in sorted(set(mix)):  # warmup: compile every program (not measured)
+            await _one(client, url, prompts[0], mt, time.perf_counter(), [])
+        t0 = time.perf_counter()
+        stop = t0 + duration
+
+        async def client_loop(k):
+            i = k
+            while time.perf_counter() < stop:
+                await _one(client, url, prompts[i % len(prompts)], rng.choice(mix), time.perf_counter(), rec)
+                i += concurrency
+
+        tasks = [asyncio.create_task(client_loop(k)) for k in range(concurrency)]
+        _, pending = await asyncio.wait(tasks, timeout=duration + drain)
+        for p in pending:
+            p.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        t_end = time.perf_counter()
+    return rec, t0, t_end
+
+
 def _pct(v, q):
     if not v:
         return float("nan")
@@ -124,7 +159,10 @@ def summarize(rec, t0, t_end):
     span = t_end - t0
     ttfb = [r["first"] - r["sent"] for r in done]
     e2e = [r["end"] - r["sent"] for r in done]
+    errors = [r for r in rec if not r["ok"] and "error" in r]
     return {"sent": len(rec), "completed": len(done), "unfinished": len(rec) - len(done),
+            "errors": len(errors), "lost": len(rec) - len(done) - len(errors),
+            "error_examples": sorted({r["error"] for r in errors})[:5],
             "requests_per_s": len(done) / span, "tokens_per_s": sum(r["tokens"] for r in done) / span,
             "ttfb_p50": _pct(ttfb, 50), "ttfb_p99": _pct(ttfb, 99), "e2e_p50": _pct(e2e, 50),
             "e2e_p99": _pct(e2e, 99), "e2e_mean": statistics.mean(e2e) if e2e else float("nan"),
@@ -161,6 +199,50 @@ def run(rate=40.0, duration=20.0, drain=60.0, mix=(16, 32, 64), schedulers=("sta
         out["continuous_vs_static"] = {"tokens_per_s": b["tokens_per_s"] / max(a["tokens_per_s"], 1e-9),
                                        "e2e_p99": b["e2e_p99"] / a["e2e_p99"] if a["e2e_p99"] else float("nan")}
     return out
+
+
+def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 64),
+               schedulers=("static", "continuous"), max_batch=16, seed=0):
+    """Closed-loop table: one in-process server per scheduler, every concurrency level in turn."""
+    from dinfer_jax import load_model
+    from dinfer_jax import tasks as T
+    from dinfer_jax.checkpoint import DEMO_MODEL_DIR
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.server import ServerConfig
+    from dinfer_jax.tokenizer import load_tokenizer
+    model, tok = load_model(DEMO_MODEL_DIR), load_tokenizer(DEMO_MODEL_DIR)
+    prompts = [p["prompt"] for p in T.sample(256, seed=seed)]
+    out = {"mode": "closed", "duration": duration, "max_tokens_mix": list(mix), "max_batch": max_batch,
+           "levels": list(levels), "rows": []}
+    for sched in schedulers:
+        kw = dict(model_name="demo", max_batch=max_batch, max_queue=100000, scheduler=sched,
+                  default_params=SamplingParams(block_length=16),
+                  # as `serve --warmup --warmup-max-tokens <mix>`: every batch bucket compiled first
+                  warmup=True, warmup_max_tokens=tuple(sorted(set(mix))),
+                  warmup_prompt_len=max(len(tok.encode(p)) for p in prompts))
+        with InProcessServer(model, tok, ServerConfig(**kw)) as srv:
+            for c in levels:
+                rec, t0, t_end = asyncio.run(_closed(srv.url, prompts, c, duration, drain, list(mix), seed))
+                s = summarize(rec, t0, t_end)
+                s.update(scheduler=sched, concurrency=c)
+                st = srv.app.state.batcher.snapshot()
+                s["server_stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
+                out["rows"].append(s)
+                print(f"{sched:>10} c={c:<4}: {s['requests_per_s']:6.1f} req/s, E2E p50 {1e3 * s['e2e_p50']:6.0f} ms "
+                      f"p99 {1e3 * s['e2e_p99']:6.0f} ms, {s['completed']}/{s['sent']} ok, "
+                      f"{s['errors']} errors, {s['lost']} lost", flush=True)
+    return out
+
+
+def table(out) -> str:
+    """Markdown table of a closed-loop run."""
+    lines = ["| scheduler | concurrency | req/s | tokens/s | E2E p50 ms | E2E p99 ms | ok / sent | errors | lost |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in out["rows"]:
+        lines.append(f"| {r['scheduler']} | {r['concurrency']} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{1e3 * r['e2e_p50']:.0f} | {1e3 * r['e2e_p99']:.0f} | {r['completed']}/{r['sent']} | "
+                     f"{r['errors']} | {r['lost']} |")
+    return "\n".join(lines)
 
 
 def plot(out, path) -> bool:
@@ -200,10 +282,22 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--segment", type=int, default=None, help="continuous scheduler: iterations per segment")
     ap.add_argument("--schedulers", default="static,continuous")
+    ap.add_argument("--concurrency", default=None,
+                    help="closed loop instead of Poisson arrivals: comma-separated client counts, e.g. 1,8,64,200")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
+    mix = [int(x) for x in a.max_tokens.split(",")]
+    if a.concurrency:
+        out = run_closed([int(x) for x in a.concurrency.split(",")], a.duration, a.drain, mix,
+                         a.schedulers.split(","), a.max_batch, a.seed)
+        out["command"] = "python bench/serve_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        print(table(out))
+        return
     out = run(a.rate, a.duration, a.drain, [int(x) for x in a.max_tokens.split(",")], a.schedulers.split(","),
               a.max_batch, a.seed, a.segment)
     out["command"] = "python bench/serve_load.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -305,11 +305,11 @@ class ContinuousBatcher(Batcher):
             self.stats["completed"] += len(finished)
         for r in finished:
             j = r.tag
-            ids, stopped = self._text_until_stop(r.raw_ids[:j.max_tokens], j)
+            ids, finish, undecoded = self._answer(r.raw_ids, j)
             if j.events is not None:
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
-                                    "finish_reason": "stop" if stopped else "length", "nfe": r.nfe,
+                                    "finish_reason": finish, "undecoded": undecoded, "nfe": r.nfe,
                                     "tpf": round(r.tpf, 4), "batch_size": rb.B,
                                     "segment_seconds": round(time.perf_counter() - t, 4)})
         streaming = [(b, j) for b, j in enumerate(rb.slots) if j is not None and j.events is not None]

@@ -259,11 +259,12 @@ class Batcher:
         mc = generator.model.config
         self.stop_ids = {mc.eos_token_id} | ({mc.eot_token_id} if mc.eot_token_id is not None else set())
         self.mask_id = mc.mask_token_id
+        self.mask_id = mc.mask_token_id
         self.pending: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "cancelled": 0,
                       "batches": 0, "max_batch_size": 0, "batch_sizes": collections.Counter(),
-                      "generated_tokens": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None,
+                      "generated_tokens": 0, "undecoded_rows": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None,
                       "scheduler_errors": 0, "watchdog_timeouts": 0, "compile_timeouts": 0,
                       **{k: 0 for k in self.EXTRA_STATS}}
         self.busy: Optional[Busy] = None  # the scheduler's current batch / segment (the watchdog reads it)
@@ -413,6 +414,8 @@ class Batcher:
             ("dinfer_compile_cache_misses_total", "counter", "programs compiled and written to the cache",
              cc["misses"]),
             ("dinfer_compile_seconds_total", "counter", "seconds spent in XLA backend compiles", cc["compile_seconds"]),
+            ("dinfer_undecoded_rows_total", "counter", "answers cut before positions the decoder left masked "
+             "(iteration bound reached)", s["undecoded_rows"]),
             ("dinfer_scheduler_alive", "gauge", "1 while the scheduler thread runs", int(self.alive())),
             ("dinfer_scheduler_errors_total", "counter", "exceptions the scheduler loop recovered from",
              s["scheduler_errors"]),
@@ -541,15 +544,32 @@ class Batcher:
                     self.stats["running_rows"] = 0
 
     def _text_until_stop(self, ids, job: Optional[Job] = None) -> tuple[list[int], bool]:
-        """The ids before the first stop id (all of them with ignore_eos), and whether one was met."""
-        if job is not None and job.params.ignore_eos:
-            return [int(t) for t in ids], False
+        """The ids before the first stop id (any id with ignore_eos), and whether one was met. The
+        mask id is never an answer: the ids end before a position the decoder left masked (it ran
+        out of iterations: `undecoded` counts them)."""
+        stops = () if job is not None and job.params.ignore_eos else self.stop_ids
         out = []
         for t in ids:
-            if t in self.stop_ids:
+            if t == self.mask_id:
+                return out, False
+            if t in stops:
                 return out, True
             out.append(int(t))
         return out, False
+
+    def _answer(self, raw, job: Job) -> tuple[list[int], str, int]:
+        """A finished row's generation region -> (ids, finish_reason, undecoded: positions within
+        max_tokens the decoder left masked)."""
+        ids, stopped = self._text_until_stop(raw[:job.max_tokens], job)
+        undecoded = 0
+        if not stopped and len(ids) < min(len(raw), job.max_tokens):
+            undecoded = int(np.sum(np.asarray(raw[:job.max_tokens]) == self.mask_id))
+            if undecoded:
+                with self.cond:
+                    self.stats["undecoded_rows"] += 1
+                log.warning("a row ended with %d undecoded (mask) positions: the decoder hit its iteration "
+                            "bound (non-finite logits, or a model that keeps predicting the mask id)", undecoded)
+        return ids, "stop" if stopped else "length", undecoded
 
     def _decode(self, batch: list[Job]):
         streaming = [j for j in batch if j.events is not None]
@@ -570,11 +590,11 @@ class Batcher:
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
         for b, j in enumerate(batch):
-            ids, stopped = self._text_until_stop(r.raw_ids[b][:j.max_tokens], j)
+            ids, finish, undecoded = self._answer(r.raw_ids[b], j)
             if j.events is not None:
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
-                                    "finish_reason": "stop" if stopped else "length", "nfe": r.nfe[b],
+                                    "finish_reason": finish, "undecoded": undecoded, "nfe": r.nfe[b],
                                     "tpf": round(r.tpf[b], 4), "batch_size": len(batch)})
         with self.cond:
             self.stats["completed"] += len(batch)
@@ -997,7 +1017,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         return {**base, "choices": [{"index": i, "text": r["text"] if r["text"] is not None else "",
                                      "finish_reason": r["finish_reason"], "logprobs": None,
                                      "token_ids": r["token_ids"], "nfe": r["nfe"], "tpf": r["tpf"],
-                                     "seed": r["seed"]}
+                                     "undecoded_tokens": r["undecoded"], "seed": r["seed"]}
                                     for i, r in enumerate(results)],
                 "usage": usage(sum(map(len, ids_list)), results)}
 
@@ -1076,7 +1096,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
                              "finish_reason": r["finish_reason"], "logprobs": None, "seed": r["seed"]}],
-                "usage": usage(len(ids), [r]), "nfe": r["nfe"], "tpf": r["tpf"]}
+                "usage": usage(len(ids), [r]), "nfe": r["nfe"], "tpf": r["tpf"], "undecoded_tokens": r["undecoded"]}
 
     async def stream_chat(job, base, n_prompt, req, request):
         chunk = {**base, "object": "chat.completion.chunk"}

@@ -153,6 +153,43 @@ def test_block_model_rejections_and_startup_checks():
         create_app(model, tok, ServerConfig(model_name="x", default_max_tokens=4096, max_tokens=8192))
 
 
+def test_rows_left_masked_are_cut_and_count_their_own_forwards():
+    """A random SDAR model predicts its mask id, so blocks never fill and rows run to their iteration
+    bound. The continuous scheduler, with lengths 4 and 12 mixed in one program, reports each row's
+    forwards as decoding it alone does (the row's own bound, not the program's), and no answer holds
+    the mask id: ids end before the first undecoded position, which `undecoded_tokens` counts."""
+    from dinfer_jax.config import preset
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.model import Model
+    from dinfer_jax.train import init_params
+    mc = preset("tiny-sdar")
+    model = Model(mc, init_params(mc, seed=3))
+    cfg = ServerConfig(model_name="m", max_batch=4, max_tokens=16, default_max_tokens=16,
+                       default_params=SamplingParams.for_model(mc))
+    bodies = [{"prompt": p, "max_tokens": m} for p, m in (([11, 12, 13], 12), ([20, 21], 4), ([30] * 6, 4),
+                                                          ([40, 41, 42, 43, 44], 12))]
+    alone = []
+    for b in bodies:
+        p = derive_params(cfg.default_params, {}, b["max_tokens"], mc)
+        with pytest.warns(RuntimeWarning, match="iteration bound"):
+            r = model.generator.generate([np.asarray(b["prompt"], np.int32)], p)
+        assert mc.mask_token_id in r.token_ids[0][:b["max_tokens"]]  # the premise: rows end masked
+        alone.append(r)
+    with InProcessServer(model, None, cfg) as s:
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            got = list(ex.map(lambda b: httpx.post(f"{s.url}/v1/completions", json=b, timeout=600), bodies))
+        stats = httpx.get(f"{s.url}/stats", timeout=30).json()
+    for b, r, a in zip(bodies, got, alone):
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        raw = a.token_ids[0][:b["max_tokens"]]
+        first = raw.index(mc.mask_token_id)
+        assert ch["token_ids"] == raw[:first] and mc.mask_token_id not in ch["token_ids"]
+        assert ch["undecoded_tokens"] == raw.count(mc.mask_token_id) > 0
+        assert ch["nfe"] == a.nfe[0], b
+    assert stats["undecoded_rows"] == len(bodies) and stats["max_batch_size"] > 1
+
+
 def test_server_defaults_yield_to_the_request():
     """A Dream-like server default (strategy dream, alg entropy) does not refuse a request's own
     strategy; a request's own conflicting fields are still refused, naming them."""

@@ -147,13 +147,26 @@ class DecodeSpec:
             self.after_look if self.cache == "vicinity" else 0)
 
     @property
-    def max_iterations(self) -> int:
+    def iterations_per_block(self) -> int:
+        """The loop iterations one block may take at most."""
         per_block = self.steps_per_block if self.strategy in st.SCHEDULED else self.block_length
         if self.cache == "block":  # + post-fill forwards; + B for steps that commit the mask id itself
             per_block = 2 * self.block_length + (self.max_post_steps + 1 if self.editing else 0)
             if self.indel:  # SGLang's max_steps (B + max_post_edit_steps + 2) bounds an indel block
                 per_block = self.block_length + self.max_post_steps + 2
-        return self.num_blocks * per_block
+        return per_block
+
+    @property
+    def max_iterations(self) -> int:
+        return self.num_blocks * self.iterations_per_block
+
+    def row_max_iterations(self, gen_length_B):
+        """Per-row iteration bound (B,) for rows of generation length gen_length_B (<= gen_length,
+        multiples of the block): what the program of that gen_length alone would allow, so a row in
+        a longer program stops where it would alone."""
+        aligned = self.start_block_align or self.cache == "block"
+        blocks = jnp.minimum(gen_length_B, self.gen_length) // self.block_length + (1 if aligned else 0)
+        return blocks.astype(jnp.int32) * self.iterations_per_block
 
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",

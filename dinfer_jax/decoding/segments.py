@@ -13,7 +13,8 @@ state on the device plus the host's copy of the row context (pads, prompt length
 Rows never mix inside the loop body (every per-row quantity is derived from that row's state
 and context), which is what makes a row's trajectory independent of its neighbours. Batch-wide
 counters (nfe_full / nfe_window / iters) keep accumulating; per-row counters restart at admission.
-A row's iteration bound is its own (`it` < spec.max_iterations), not the batch's.
+A row's iteration bound is its own (`it` < spec.row_max_iterations(its gen_length): what its
+gen_length's program alone allows), not the batch's.
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int):
     def segment(params, state, pad_B, plen_B, knobs, max_iters):
         _, body, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs)
         done0 = state["done"]
+        bound_B = (spec.row_max_iterations(knobs["gen_length"]) if "gen_length" in knobs
+                   else jnp.full(done0.shape, spec.max_iterations, jnp.int32))
 
         def cond(c):
             s, n = c
@@ -69,7 +72,7 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int):
         def step(c):
             s, n = c
             s = body(s)
-            s["done"] = s["done"] | (s["it"] >= spec.max_iterations)  # the row's own bound
+            s["done"] = s["done"] | (s["it"] >= bound_B)  # the row's own bound
             return s, n + 1
 
         with jax.named_scope("denoise_segment"):
@@ -82,8 +85,8 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int):
 @dataclasses.dataclass
 class RowResult:
     """One finished row: generated ids (cut at the first stop id), the raw generation region, its
-    forwards, tokens per forward, edits (block diffusion), whether it hit the iteration bound with
-    masks left (only with non-finite logits)."""
+    forwards, tokens per forward, edits (block diffusion), whether masks were left (the row hit its
+    iteration bound: non-finite logits, or a model that keeps predicting the mask id)."""
     tag: Any
     token_ids: list[int]
     raw_ids: np.ndarray
@@ -280,7 +283,7 @@ class RunningBatch:
             ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs["ignore_eos"][b]))
             out.append(RowResult(self.slots[b], ids, raw, nfe, tpf,
                                  stats["steps_per_block"][b], int(stats["edits"][b]) if "edits" in stats else None,
-                                 bool(int(it[b]) >= spec.max_iterations and (raw == cfg.mask_token_id).any())))
+                                 bool((raw == cfg.mask_token_id).any())))
             self.slots[b] = None
         return out
 
