@@ -8,6 +8,7 @@ chat template in tokenizer_config.json. Answers are checked against the engine c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import threading
@@ -505,7 +506,22 @@ def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
         stats = httpx.get(f"{url}/stats", timeout=10).json()
         assert stats["warmup_programs"] >= 1 and stats["warmup_error"] is None, stats
         assert os.listdir(tmp_path / "cc")  # the warmed programs went to the on-disk compile cache
-        p.send_signal(signal.SIGTERM)
+        # SIGTERM with a request in flight (a new length: it compiles, then decodes 96 tokens): the
+        # process keeps listening, new requests and /health get 503, the in-flight one is answered.
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            long = ex.submit(httpx.post, f"{url}/v1/completions", timeout=300,
+                             json={"prompt": "add 123+045=", "max_tokens": 96, "ignore_eos": True})
+            for _ in range(600):
+                if httpx.get(f"{url}/stats", timeout=10).json()["requests"] >= 2:
+                    break
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert not long.done(), "the in-flight request finished before SIGTERM: the test needs a longer one"
+            late = httpx.post(f"{url}/v1/completions", json={"prompt": "add 1+2="}, timeout=30)
+            assert late.status_code == 503, late.text
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+            assert long.result().status_code == 200 and len(long.result().json()["choices"][0]["token_ids"]) == 96
         assert p.wait(timeout=60) == 0
     finally:
         if p.poll() is None:
