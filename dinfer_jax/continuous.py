@@ -25,7 +25,7 @@ its jobs wait beside it while the other batches keep stepping, and are admitted 
 The prefix cache's shorter prefills (one program per width) are compiled the same way; until one
 is ready, admissions prefill in full.
 
-Streaming jobs get each finished block at the segment boundary after it is decoded (one extra
+Streaming jobs get each finished block (one chunk per block) at the segment boundary after it is decoded (one extra
 device-to-host read of the running canvas per segment, only while a streaming row runs).
 """
 from __future__ import annotations
@@ -307,6 +307,8 @@ class ContinuousBatcher(Batcher):
             j = r.tag
             ids, finish, undecoded = self._answer(r.raw_ids, j)
             if j.events is not None:
+                bl = rb.spec.block_length
+                self._emit_blocks(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl)
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
                                     "finish_reason": finish, "undecoded": undecoded, "nfe": r.nfe,
@@ -317,11 +319,7 @@ class ContinuousBatcher(Batcher):
             gen, blk, done = rb.progress()
             bl = rb.spec.block_length
             for b, j in streaming:
-                n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
-                if n_blocks > j.sent_blocks:
-                    j.sent_blocks = n_blocks
-                    ids, _ = self._text_until_stop(gen[b, :min(n_blocks * bl, j.max_tokens)], j)
-                    self._emit(j, ids)
+                self._emit_blocks(j, gen[b], gen.shape[1] // bl if done[b] else int(blk[b]), bl)
 
     def _cancel_all(self):
         exc = RuntimeError("the server is shutting down")

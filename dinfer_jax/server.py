@@ -581,23 +581,33 @@ class Batcher:
                 for b, j in enumerate(batch):
                     if j.events is None or j.cancelled:
                         continue
-                    finished = gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b])
-                    if finished > j.sent_blocks:
-                        j.sent_blocks = finished
-                        ids, _ = self._text_until_stop(gen_BG[b, :min(finished * bl, j.max_tokens)], j)
-                        self._emit(j, ids)
+                    self._emit_blocks(j, gen_BG[b], gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b]), bl)
             observer = send_finished_blocks
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
         for b, j in enumerate(batch):
             ids, finish, undecoded = self._answer(r.raw_ids[b], j)
             if j.events is not None:
+                bl = j.params.block_length
+                self._emit_blocks(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl)
                 self._emit(j, ids)
             self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
                                     "finish_reason": finish, "undecoded": undecoded, "nfe": r.nfe[b],
                                     "tpf": round(r.tpf[b], 4), "batch_size": len(batch)})
         with self.cond:
             self.stats["completed"] += len(batch)
+
+    def _emit_blocks(self, job: Job, gen_G, finished: int, bl: int):
+        """Stream the blocks `job` has finished since the last call, one event per block (a segment
+        or step that finishes several blocks still sends them one by one)."""
+        while job.sent_blocks < finished:
+            job.sent_blocks += 1
+            end = min(job.sent_blocks * bl, job.max_tokens)
+            ids, stopped = self._text_until_stop(gen_G[:end], job)
+            self._emit(job, ids)
+            if stopped or len(ids) < end or end == job.max_tokens:
+                job.sent_blocks = finished
+                return
 
     def _emit(self, job: Job, ids: list[int]):
         text = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))

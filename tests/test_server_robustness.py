@@ -190,6 +190,29 @@ def test_rows_left_masked_are_cut_and_count_their_own_forwards():
     assert stats["undecoded_rows"] == len(bodies) and stats["max_batch_size"] > 1
 
 
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_streaming_sends_one_chunk_per_block(scheduler):
+    """A streamed request gets one text chunk per decoded block, also when one segment (continuous,
+    here 10^4 iterations: the whole request) finishes several blocks: chunk k is the text of blocks
+    [0, k] minus that of blocks [0, k-1] of the non-streamed answer."""
+    model, tok = demo()
+    cfg = ServerConfig(model_name="demo", max_batch=2, scheduler=scheduler, segment=10_000, max_tokens=64)
+    body = {"prompt": PROMPT, "max_tokens": 40, "block_length": 8, "ignore_eos": True,
+            "strategy": "fixed", "steps": 40, "cache": "none"}
+    with InProcessServer(model, tok, cfg) as s:
+        ids = httpx.post(f"{s.url}/v1/completions", json=body, timeout=300).json()["choices"][0]["token_ids"]
+        chunks = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    if ch["finish_reason"] is None:
+                        chunks.append(ch["text"])
+    texts = [tok.decode(ids[:8 * k]) for k in range(6)]
+    want = [b[len(a):] for a, b in zip(texts, texts[1:]) if len(b) > len(a)]
+    assert len(want) >= 3 and chunks == want, (chunks, want)
+
+
 def test_server_defaults_yield_to_the_request():
     """A Dream-like server default (strategy dream, alg entropy) does not refuse a request's own
     strategy; a request's own conflicting fields are still refused, naming them."""
