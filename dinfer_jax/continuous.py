@@ -25,8 +25,9 @@ its jobs wait beside it while the other batches keep stepping, and are admitted 
 The prefix cache's shorter prefills (one program per width) are compiled the same way; until one
 is ready, admissions prefill in full.
 
-Streaming jobs get each finished block (one chunk per block) at the segment boundary after it is decoded (one extra
-device-to-host read of the running canvas per segment, only while a streaming row runs).
+Streaming jobs get each finished block, one chunk per block, at the segment boundary after it is
+decoded (one extra device-to-host read of the running canvas per segment, only while a streaming
+row runs).
 """
 from __future__ import annotations
 
