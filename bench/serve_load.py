@@ -40,11 +40,11 @@ def _free_port() -> int:
 class InProcessServer:
     """uvicorn serving create_app(...) on a loopback port from a background thread."""
 
-    def __init__(self, model, tok, cfg):
+    def __init__(self, model, tok, cfg, chat_formatter=None):
         import uvicorn
         from dinfer_jax.server import create_app
         self.port = _free_port()
-        self.app = create_app(model, tok, cfg)
+        self.app = create_app(model, tok, cfg, chat_formatter)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

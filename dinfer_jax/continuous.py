@@ -57,7 +57,7 @@ def prompt_bucket(n: int) -> int:
 
 class ContinuousBatcher(Batcher):
     """Continuous batching over RunningBatches (module doc). One scheduler thread."""
-    EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted")
+    EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted", "stopped_early")
 
     def __init__(self, generator, tokenizer, cfg, segment: int = DEFAULT_SEGMENT, max_programs: int = 4):
         from dinfer_jax.decoding.prefix_cache import PrefixCache
@@ -304,23 +304,36 @@ class ContinuousBatcher(Batcher):
             self.stats["batch_sizes"][rb.running + len(finished)] += 1
             self.stats["max_batch_size"] = max(self.stats["max_batch_size"], rb.running + len(finished))
             self.stats["completed"] += len(finished)
-        for r in finished:
+        self._answer_rows(rb, finished, t)
+        watched = [(b, j) for b, j in enumerate(rb.slots) if j is not None and (j.events is not None or j.stop)]
+        if watched:  # streaming rows get their finished blocks; rows whose stop string is committed end now
+            gen, blk, done = rb.progress()
+            bl = rb.spec.block_length
+            early = []
+            for b, j in watched:
+                n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
+                if j.events is not None:
+                    self._emit_blocks(j, gen[b], n_blocks, bl)
+                if self._stopped_early(j, gen[b], n_blocks, bl):
+                    early.append(b)
+            if early:
+                rows = rb.finish(early)
+                with self.cond:
+                    self.stats["completed"] += len(rows)
+                    self.stats["stopped_early"] += len(rows)
+                self._answer_rows(rb, rows, t)
+
+    def _answer_rows(self, rb, rows, t: float):
+        """Answer finished rows (decoding/segments.RowResult) of `rb`."""
+        for r in rows:
             j = r.tag
-            ids, finish, undecoded = self._answer(r.raw_ids, j)
+            a = self._answer(r.raw_ids, j)
             if j.events is not None:
                 bl = rb.spec.block_length
                 self._emit_blocks(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl)
-                self._emit(j, ids)
-            self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
-                                    "finish_reason": finish, "undecoded": undecoded, "nfe": r.nfe,
-                                    "tpf": round(r.tpf, 4), "batch_size": rb.B,
+                self._emit(j, a["token_ids"], final=True)
+            self._finish(j, result={**a, "nfe": r.nfe, "tpf": round(r.tpf, 4), "batch_size": rb.B,
                                     "segment_seconds": round(time.perf_counter() - t, 4)})
-        streaming = [(b, j) for b, j in enumerate(rb.slots) if j is not None and j.events is not None]
-        if streaming:
-            gen, blk, done = rb.progress()
-            bl = rb.spec.block_length
-            for b, j in streaming:
-                self._emit_blocks(j, gen[b], gen.shape[1] // bl if done[b] else int(blk[b]), bl)
 
     def _cancel_all(self):
         exc = RuntimeError("the server is shutting down")

@@ -47,6 +47,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, SamplingParams
+from dinfer_jax.stop_strings import check_stop, find_stop, held_back, ids_through
 
 log = logging.getLogger("dinfer_jax.server")
 
@@ -151,6 +152,7 @@ class ChatRequest(CommonFields):
 
 
 MiB = 2 ** 20
+MAX_N = 128  # choices per prompt (`n`)
 CHARS_PER_TOKEN_BOUND = 16  # a prompt longer than this many characters per allowed token is refused unread
 
 
@@ -197,6 +199,7 @@ class Job:
     deadline: Optional[float] = None  # time.monotonic() after which the job is not started
     cancelled: bool = False  # set by the request handler (timeout, client gone) or the watchdog
     answered: bool = False  # its result / error was handed to its future (once, whoever comes first)
+    stop: tuple = ()  # stop strings (dinfer_jax/stop_strings.py)
 
     def expired(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
@@ -557,10 +560,17 @@ class Batcher:
             out.append(int(t))
         return out, False
 
-    def _answer(self, raw, job: Job) -> tuple[list[int], str, int]:
-        """A finished row's generation region -> (ids, finish_reason, undecoded: positions within
-        max_tokens the decoder left masked)."""
+    def _answer(self, raw, job: Job) -> dict:
+        """A finished row's generation region -> {token_ids, text, finish_reason, undecoded:
+        positions within max_tokens the decoder left masked}; a stop string cuts the text before
+        it and the ids after the token that completed it."""
         ids, stopped = self._text_until_stop(raw[:job.max_tokens], job)
+        text = self.tok.decode(ids) if self.tok else None
+        if job.stop and text is not None:
+            hit = find_stop(text, job.stop)
+            if hit is not None:
+                ids = ids[:ids_through(ids, self.tok.decode, hit[1])]
+                return {"token_ids": ids, "text": text[:hit[0]], "finish_reason": "stop", "undecoded": 0}
         undecoded = 0
         if not stopped and len(ids) < min(len(raw), job.max_tokens):
             undecoded = int(np.sum(np.asarray(raw[:job.max_tokens]) == self.mask_id))
@@ -569,7 +579,16 @@ class Batcher:
                     self.stats["undecoded_rows"] += 1
                 log.warning("a row ended with %d undecoded (mask) positions: the decoder hit its iteration "
                             "bound (non-finite logits, or a model that keeps predicting the mask id)", undecoded)
-        return ids, "stop" if stopped else "length", undecoded
+        return {"token_ids": ids, "text": text, "finish_reason": "stop" if stopped else "length",
+                "undecoded": undecoded}
+
+    def _stopped_early(self, job: Job, gen_G, finished: int, bl: int) -> bool:
+        """Whether the committed prefix (`finished` whole blocks) of a row with stop strings holds
+        one (the row can be answered now)."""
+        if not job.stop or self.tok is None or finished <= 0:
+            return False
+        ids, _ = self._text_until_stop(gen_G[:min(finished * bl, job.max_tokens)], job)
+        return find_stop(self.tok.decode(ids), job.stop) is not None
 
     def _decode(self, batch: list[Job]):
         streaming = [j for j in batch if j.events is not None]
@@ -586,14 +605,12 @@ class Batcher:
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
         for b, j in enumerate(batch):
-            ids, finish, undecoded = self._answer(r.raw_ids[b], j)
+            a = self._answer(r.raw_ids[b], j)
             if j.events is not None:
                 bl = j.params.block_length
                 self._emit_blocks(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl)
-                self._emit(j, ids)
-            self._finish(j, result={"token_ids": ids, "text": self.tok.decode(ids) if self.tok else None,
-                                    "finish_reason": finish, "undecoded": undecoded, "nfe": r.nfe[b],
-                                    "tpf": round(r.tpf[b], 4), "batch_size": len(batch)})
+                self._emit(j, a["token_ids"], final=True)
+            self._finish(j, result={**a, "nfe": r.nfe[b], "tpf": round(r.tpf[b], 4), "batch_size": len(batch)})
         with self.cond:
             self.stats["completed"] += len(batch)
 
@@ -605,12 +622,18 @@ class Batcher:
             end = min(job.sent_blocks * bl, job.max_tokens)
             ids, stopped = self._text_until_stop(gen_G[:end], job)
             self._emit(job, ids)
-            if stopped or len(ids) < end or end == job.max_tokens:
+            if stopped or len(ids) < end or end == job.max_tokens or \
+                    self._stopped_early(job, gen_G, job.sent_blocks, bl):
                 job.sent_blocks = finished
                 return
 
-    def _emit(self, job: Job, ids: list[int]):
+    def _emit(self, job: Job, ids: list[int], final: bool = False):
+        """Send the text of `ids` past what was sent; with stop strings, the text before the first
+        one, and (until final) without a tail that may still become one."""
         text = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))
+        if job.stop:
+            hit = find_stop(text, job.stop)
+            text = text[:hit[0]] if hit else text[:len(text) - (0 if final else held_back(text, job.stop))]
         if len(text) > len(job.sent_text) and text.startswith(job.sent_text):
             delta, job.sent_text = text[len(job.sent_text):], text
             try:
@@ -830,13 +853,27 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
     async def _internal(request, exc: Exception):
         return error(500, f"internal error: {type(exc).__name__}: {exc}", etype="server_error")
 
-    def sampling(req: CommonFields, max_tokens: int, n_prompts: int = 1) -> list[SamplingParams]:
-        """One SamplingParams per prompt. temperature > 0 without a seed: a fresh random seed for
-        each prompt (reported back as `seed`); a given seed is used for every prompt."""
-        if req.n not in (None, 1):
-            raise BadRequest(f"n={req.n}: one completion per prompt is supported (send the prompt again)", "n")
-        if req.stop:
-            raise BadRequest("stop sequences are not supported (generation ends at the model's EOS)", "stop")
+    def stop_strings(req: CommonFields) -> tuple[str, ...]:
+        try:
+            stops = check_stop(req.stop)
+        except ValueError as e:
+            raise BadRequest(str(e), "stop") from None
+        if stops and tokenizer is None:
+            raise BadRequest("stop strings need the model's tokenizer.json (this model has none)", "stop")
+        return stops
+
+    def choices_per_prompt(req: CommonFields) -> int:
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= MAX_N:
+            raise BadRequest(f"n={n}: must be in [1, {MAX_N}]", "n")
+        if n > 1 and req.stream:
+            raise BadRequest(f"n={n} with stream=true: a stream carries one choice here; send n requests", "n")
+        return n
+
+    def sampling(req: CommonFields, max_tokens: int, n_prompts: int = 1, n: int = 1) -> list[SamplingParams]:
+        """SamplingParams for each prompt's n choices (prompt-major, as the choices are listed).
+        temperature > 0 without a seed: a fresh random seed for each (reported back as `seed`); a
+        given seed is used for every prompt, choice k of a prompt taking seed + k (mod 2**32)."""
         if max_tokens > cfg.max_tokens:
             raise BadRequest(f"max_tokens={max_tokens} exceeds this server's limit of {cfg.max_tokens}", "max_tokens")
         for name, limit in (("steps", cfg.max_steps), ("max_post_steps", cfg.max_post_steps)):
@@ -856,8 +893,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         except InvalidParam as e:
             raise BadRequest(str(e), e.field) from None
         if req.seed is None and p.temperature > 0:
-            return [dataclasses.replace(p, seed=secrets.randbits(32)) for _ in range(n_prompts)]
-        return [p] * n_prompts
+            return [dataclasses.replace(p, seed=secrets.randbits(32)) for _ in range(n_prompts * n)]
+        return [dataclasses.replace(p, seed=(p.seed + k) % 2 ** 32) for _ in range(n_prompts) for k in range(n)]
 
     max_chars = cfg.max_prompt_chars or CHARS_PER_TOKEN_BOUND * max_len
 
@@ -900,8 +937,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if not batcher.ready.is_set():
             raise BadRequest("the server is warming up (compiling); retry shortly", status=503)
 
-    async def run_jobs(ids_list, params, max_tokens, stream):
-        """Queue one job per prompt, all or none."""
+    async def run_jobs(ids_list, params, max_tokens, stream, stop=()):
+        """Queue one job per (prompt, params) pair, all or none."""
         admitting()
         if len(ids_list) > cfg.max_queue:
             raise BadRequest(f"{len(ids_list)} prompts in one request exceed this server's queue of "
@@ -910,7 +947,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
         jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
                     p.spec_for(model.config),
-                    asyncio.Queue() if stream else None, deadline=deadline)
+                    asyncio.Queue() if stream else None, deadline=deadline, stop=stop)
                 for ids, p in zip(ids_list, params)]
         try:
             batcher.submit_all(jobs)
@@ -1013,11 +1050,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             items = [prompts]
         if req.stream and len(items) > 1:
             raise BadRequest("stream=true takes one prompt per request", "prompt")
-        params = sampling(req, max_tokens, len(items))
+        n = choices_per_prompt(req)
+        stop = stop_strings(req)
+        params = sampling(req, max_tokens, len(items), n)
         ids_list = await encode_all(items)
         for ids in ids_list:
             limits(ids, max_tokens, params[0])
-        jobs = await run_jobs(ids_list, params, max_tokens, req.stream)
+        jobs = await run_jobs([ids for ids in ids_list for _ in range(n)], params, max_tokens, req.stream, stop)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name}
         if req.stream:
@@ -1081,7 +1120,9 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                              "with token ids")
         from dinfer_jax.chat import ChatTemplateError
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
-        params = sampling(req, max_tokens)
+        n = choices_per_prompt(req)
+        stop = stop_strings(req)
+        params = sampling(req, max_tokens, 1, n)
 
         def render() -> list[int]:  # on a worker thread: templates and tokenizing take time
             for i, m in enumerate(req.messages):  # user text must not smuggle in special tokens
@@ -1098,15 +1139,18 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             return encode(text, "messages", allow_special=True)
         ids = await asyncio.to_thread(render)
         limits(ids, max_tokens, params[0])
-        jobs = await run_jobs([ids], params, max_tokens, req.stream)
+        jobs = await run_jobs([ids] * n, params, max_tokens, req.stream, stop)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}
         if req.stream:
             return StreamingResponse(stream_chat(jobs[0], base, len(ids), req, request), media_type="text/event-stream")
-        r = (await results_of(jobs, request))[0]
+        results = await results_of(jobs, request)
+        r = results[0]
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                             "finish_reason": r["finish_reason"], "logprobs": None, "seed": r["seed"]}],
-                "usage": usage(len(ids), [r]), "nfe": r["nfe"], "tpf": r["tpf"], "undecoded_tokens": r["undecoded"]}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+                             "finish_reason": c["finish_reason"], "logprobs": None, "seed": c["seed"],
+                             "nfe": c["nfe"], "tpf": c["tpf"], "undecoded_tokens": c["undecoded"]}
+                            for i, c in enumerate(results)],
+                "usage": usage(len(ids), results), "nfe": r["nfe"], "tpf": r["tpf"], "undecoded_tokens": r["undecoded"]}
 
     async def stream_chat(job, base, n_prompt, req, request):
         chunk = {**base, "object": "chat.completion.chunk"}

@@ -252,6 +252,13 @@ class RunningBatch:
         finished = [b for b in range(self.B) if self.slots[b] is not None and done[b]]
         return self._read(finished) if finished else []
 
+    def finish(self, slots: list[int]) -> list[RowResult]:
+        """End the rows in `slots` now (e.g. a stop string is committed): their results as decoded
+        so far (positions not yet decoded hold the mask id); the slots are freed."""
+        out = self._read(list(slots))
+        self.evict(slots)
+        return out
+
     def evict(self, slots: list[int]):
         """Stop decoding the rows in `slots` (their requests were cancelled or timed out): they are
         marked done, so the next segments skip them, and the slots are free for new rows."""
