@@ -324,9 +324,11 @@ def cmd_eval(a):
     if a.suite == "jsonl":
         ev.read_jsonl(a.data)  # report a malformed file before loading the model
     many = a.suite == "demo"
-    # Without --strategy / --cache, jsonl and humaneval decode with the model's defaults (None).
+    # Without --strategy / --cache, jsonl and humaneval decode with the model's defaults (None);
+    # 'all' caches are those the model can decode with (its config decides: block only if block-causal).
+    from dinfer_jax.config import load_hf_config
     strategies = ev.parse_strategies(a.strategy or "all") if a.strategy or many else [None]
-    caches = ev.parse_caches(a.cache or "all") if a.cache or many else [None]
+    caches = ev.parse_caches(a.cache or "all", load_hf_config(model_dir)) if a.cache or many else [None]
     from dinfer_jax.checkpoint import generation_defaults
     lengths = {k: getattr(a, k) for k in ("gen_length", "block_length") if getattr(a, k) is not None}
     defaults = _model_defaults(model_dir, **lengths).validate()
