@@ -16,7 +16,7 @@
   dinfer-jax profile [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) --logdir DIR [--repeats N]
   generate / logits / serve / bench / profile also take --mesh "data=2,expert=4" and, on several hosts,
   --coordinator HOST:PORT --num-processes N --process-id I (process 0 prints the results)
-  dinfer-jax demo [--workdir DIR]
+  dinfer-jax demo [--workdir DIR]   (without --workdir: a temporary folder, removed afterwards)
 
 Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2 (a bad
 decoding setting names its flag; the rules themselves live in engine.SamplingParams); Ctrl-C
@@ -437,7 +437,15 @@ def cmd_train(a):
 
 def cmd_demo(a):
     """Tiny random LLaDA-MoE: save -> export as HF safetensors -> convert back -> forward; the logits
-    of the reloaded model must equal the original's bit for bit."""
+    of the reloaded model must equal the original's bit for bit. Without --workdir the files go to a
+    temporary folder, removed afterwards."""
+    if a.workdir:
+        return _demo_round_trip(a.workdir)
+    with tempfile.TemporaryDirectory(prefix="dinfer-jax-demo-") as work:
+        _demo_round_trip(work, " (a temporary folder, removed now)")
+
+
+def _demo_round_trip(work: str, note: str = ""):
     import jax
     import numpy as np
     from converters import convert, export
@@ -446,7 +454,6 @@ def cmd_demo(a):
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
 
-    work = a.workdir or tempfile.mkdtemp(prefix="dinfer-jax-demo-")
     cfg = preset("tiny")
     params = init_params(cfg, seed=0)
     print(f"tiny LLaDA-MoE (random weights): {cfg.num_params:,} params, {cfg.num_experts} experts "
@@ -460,7 +467,7 @@ def cmd_demo(a):
     a_logits = Model(cfg, params).logits(ids)
     b_logits = reloaded.logits(ids)
     same = bool(np.array_equal(a_logits, b_logits))
-    print(f"HF export + convert round trip in {work}: logits identical = {same}")
+    print(f"HF export + convert round trip in {work}{note}: logits identical = {same}")
     print(f"argmax per position: {b_logits.argmax(-1).tolist()}")
     if not same:
         raise SystemExit("demo failed: logits differ after the round trip")
@@ -646,10 +653,11 @@ def cmd_profile(a):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dinfer-jax", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Inference for masked-diffusion language models (LLaDA, LLaDA-MoE) in JAX: the whole "
-                    "denoising schedule runs as one compiled loop.",
+        description="Inference for masked-diffusion language models in JAX (LLaDA, LLaDA-MoE, LLaDA2.x,\n"
+                    "Dream/DiffuCoder, SDAR, Fast-dLLM v2): the whole denoising schedule runs as one compiled loop.",
         epilog="""examples:
   dinfer-jax generate --prompt "add 123+045="               # the built-in demo model -> 0168
+  dinfer-jax generate --model demo-block --prompt "sort 5391="   # the block-diffusion demo model -> 1359
   dinfer-jax convert ~/hf/LLaDA-MoE-7B-A1B-Instruct ckpt/   # Hugging Face folder -> checkpoint
   dinfer-jax generate --model ckpt/ --prompt "Hi" --gen-length 128 --block-length 64 --threshold 0.9
   dinfer-jax generate --model ckpt/ --prompt-ids 1,2,3 --show-canvas      # watch the masks resolve
@@ -851,11 +859,22 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _pl
         _plain(message, category, filename, lineno, file, line)
 
 
+# Commands that hand all their arguments to another parser (argparse's REMAINDER drops a leading
+# option such as --help or --steps): command -> the attribute that receives them.
+PASSTHROUGH = {"train": "train_argv", "lm-eval": "lm_eval_argv"}
+
+
 def main(argv=None):
     args = None
     warnings.showwarning = _show_warning
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        if argv[:1] and argv[0] in PASSTHROUGH:  # their own parsers read every argument, --help too
+            args = parser.parse_args(argv[:1])
+            setattr(args, PASSTHROUGH[argv[0]], argv[1:])
+        else:
+            args = parser.parse_args(argv)
         args.fn(args)
     except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
         print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)
