@@ -17,6 +17,8 @@
   generate / logits / serve / bench / profile also take --mesh "data=2,expert=4" and, on several hosts,
   --coordinator HOST:PORT --num-processes N --process-id I (process 0 prints the results)
   dinfer-jax demo [--workdir DIR]   (without --workdir: a temporary folder, removed afterwards)
+  A model folder argument (MODEL_DIR, DIR, --model) may also be 'demo' or 'demo-block', the built-in
+  demo models (checkpoint.MODEL_ALIASES).
 
 Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2 (a bad
 decoding setting names its flag; the rules themselves live in engine.SamplingParams); Ctrl-C
