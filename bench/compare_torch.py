@@ -141,7 +141,7 @@ def prepare_checkpoint(args, work: str) -> tuple[str, str]:
         ckpt.save_params(dst, params, to_hf_dict(cfg))
         return dst, (f"random {args.random_preset} ({cfg.num_layers} layers): normal(0, 0.02), norms 1, "
                      f"LM head x{args.head_scale:g}")
-    src = ckpt.DEMO_MODEL_DIR if args.model == "demo" else args.model
+    src = ckpt.model_path(args.model)
     if ckpt.is_checkpoint(src):
         return src, f"checkpoint {args.model}"
     from converters import convert

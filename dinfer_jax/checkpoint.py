@@ -39,6 +39,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json")
 
 
+# The built-in demo model (trained by `python -m dinfer_jax.train`, see README) ships inside the package.
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+# The block-diffusion demo model (LLaDA2 architecture, block 4; `python -m dinfer_jax.train --block-size 4`).
+DEMO_BLOCK_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_block_model")
+# Names that stand for the built-in demo models wherever a model folder is accepted (CLI --model,
+# load_model, lm-eval's pretrained=); a folder of that name is passed as ./demo.
+MODEL_ALIASES = {"demo": DEMO_MODEL_DIR, "demo-block": DEMO_BLOCK_MODEL_DIR}
+
+
+def model_path(path):
+    """A model-folder argument as a path: an alias of MODEL_ALIASES -> its folder; else `path` as given."""
+    return MODEL_ALIASES.get(path, path) if isinstance(path, str) else path
+
+
 def is_checkpoint(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MANIFEST))
 
@@ -49,12 +63,14 @@ def is_incomplete(folder: str) -> bool:
 
 
 def check_model_folder(path, what: str = "model folder") -> str:
-    """`path` as a str, or a clear error: not a path, missing, a file, an incomplete checkpoint."""
+    """`path` (or the folder of a MODEL_ALIASES name) as a str, or a clear error: not a path,
+    missing, a file, an incomplete checkpoint."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"{what} must be a path (str or os.PathLike), got {type(path).__name__}")
-    path = os.fspath(path)
+    path = os.fspath(model_path(path))
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} {path!r} does not exist")
+        raise FileNotFoundError(f"{what} {path!r} does not exist (the built-in demo models are "
+                                f"{' and '.join(map(repr, MODEL_ALIASES))})")
     if not os.path.isdir(path):
         raise ConfigError(f"{what} {path!r} is a file, not a folder (pass the folder holding config.json)")
     if is_incomplete(path):
@@ -289,10 +305,6 @@ def is_quantized_leaf(man: dict, path: str) -> bool:
     return path in q or (path.endswith("@scale") and path[:-len("@scale")] in q)
 
 
-# The built-in demo model (trained by `python -m dinfer_jax.train`, see README) ships inside the package.
-DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
-# The block-diffusion demo model (LLaDA2 architecture, block 4; `python -m dinfer_jax.train --block-size 4`).
-DEMO_BLOCK_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_block_model")
 
 
 def generation_defaults(folder: str) -> dict:

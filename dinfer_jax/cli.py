@@ -16,7 +16,9 @@
   dinfer-jax profile [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) --logdir DIR [--repeats N]
   generate / logits / serve / bench / profile also take --mesh "data=2,expert=4" and, on several hosts,
   --coordinator HOST:PORT --num-processes N --process-id I (process 0 prints the results)
-  dinfer-jax demo [--workdir DIR]
+  dinfer-jax demo [--workdir DIR]   (without --workdir: a temporary folder, removed afterwards)
+  A model folder argument (MODEL_DIR, DIR, --model) may also be 'demo' or 'demo-block', the built-in
+  demo models (checkpoint.MODEL_ALIASES).
 
 Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2 (a bad
 decoding setting names its flag; the rules themselves live in engine.SamplingParams); Ctrl-C
@@ -33,6 +35,8 @@ import time
 import warnings
 
 DTYPES = ("bfloat16", "float16", "float32")
+MODEL_HELP = ("dinfer-jax checkpoint or HF folder, or 'demo' / 'demo-block' (the built-in demo models; "
+              "default: demo)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -68,14 +72,14 @@ def cmd_export(a):
 def cmd_info(a):
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax.config import load_hf_config
-    ckpt.check_model_folder(a.model)
-    cfg = load_hf_config(a.model)
-    kind = "dinfer-jax checkpoint" if ckpt.is_checkpoint(a.model) else "Hugging Face folder"
-    quant = sorted({m["kind"] for m in (ckpt.read_manifest(a.model).get("quantization") or {}).values()}
-                   if ckpt.is_checkpoint(a.model) else [])
-    print(json.dumps({"folder": a.model, "kind": kind, "num_params": cfg.num_params,
+    folder = ckpt.check_model_folder(a.model)
+    cfg = load_hf_config(folder)
+    kind = "dinfer-jax checkpoint" if ckpt.is_checkpoint(folder) else "Hugging Face folder"
+    quant = sorted({m["kind"] for m in (ckpt.read_manifest(folder).get("quantization") or {}).values()}
+                   if ckpt.is_checkpoint(folder) else [])
+    print(json.dumps({"folder": folder, "kind": kind, "num_params": cfg.num_params,
                       "quantization": "+".join(quant) or None, **cfg.to_dict(),
-                      "decoding_defaults": _decoding_summary(_model_defaults(a.model))}, indent=1))
+                      "decoding_defaults": _decoding_summary(_model_defaults(folder))}, indent=1))
 
 
 def _decoding_summary(sp) -> dict:
@@ -96,9 +100,7 @@ def cmd_plan(a):
     from dinfer_jax import plan
     from dinfer_jax.config import load_hf_config, preset
     from dinfer_jax.engine import SamplingParams
-    if a.model is not None:
-        ckpt.check_model_folder(a.model)
-    cfg = load_hf_config(a.model) if a.model is not None else preset(a.preset)
+    cfg = load_hf_config(ckpt.check_model_folder(a.model)) if a.model is not None else preset(a.preset)
     over = {k: v for k, v in (("gen_length", a.gen_length), ("block_length", a.block_length), ("cache", a.cache))
             if v is not None}
     if cfg.attention_mask == "block_causal" and "cache" not in over:
@@ -111,7 +113,8 @@ def cmd_plan(a):
 
 def cmd_logits(a):
     import numpy as np
-    model = _load_model(a, a.model)
+    from dinfer_jax.checkpoint import check_model_folder
+    model = _load_model(a, check_model_folder(a.model))
     lg = model.logits(np.asarray(a.prompt_ids))
     if not _is_main_process():
         return
@@ -163,7 +166,7 @@ def _nonneg_float(text):
 
 
 def _model_dir(a) -> str:
-    """--model, or the built-in demo model when it is omitted."""
+    """--model (a folder, or an alias: demo, demo-block), or the built-in demo model when it is omitted."""
     from dinfer_jax.checkpoint import DEMO_MODEL_DIR, check_model_folder, is_checkpoint
     if a.model is not None:
         return check_model_folder(a.model)
@@ -246,7 +249,7 @@ def _sampling_params(a, model_dir: str):
 
 def _add_model_and_prompt_flags(p):
     """--model and one of --prompt / --prompt-ids (the one-prompt commands)."""
-    p.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
     src.add_argument("--prompt-ids", type=_parse_ids, default=None)
@@ -323,9 +326,11 @@ def cmd_eval(a):
     if a.suite == "jsonl":
         ev.read_jsonl(a.data)  # report a malformed file before loading the model
     many = a.suite == "demo"
-    # Without --strategy / --cache, jsonl and humaneval decode with the model's defaults (None).
+    # Without --strategy / --cache, jsonl and humaneval decode with the model's defaults (None);
+    # 'all' caches are those the model can decode with (its config decides: block only if block-causal).
+    from dinfer_jax.config import load_hf_config
     strategies = ev.parse_strategies(a.strategy or "all") if a.strategy or many else [None]
-    caches = ev.parse_caches(a.cache or "all") if a.cache or many else [None]
+    caches = ev.parse_caches(a.cache or "all", load_hf_config(model_dir)) if a.cache or many else [None]
     from dinfer_jax.checkpoint import generation_defaults
     lengths = {k: getattr(a, k) for k in ("gen_length", "block_length") if getattr(a, k) is not None}
     defaults = _model_defaults(model_dir, **lengths).validate()
@@ -434,7 +439,15 @@ def cmd_train(a):
 
 def cmd_demo(a):
     """Tiny random LLaDA-MoE: save -> export as HF safetensors -> convert back -> forward; the logits
-    of the reloaded model must equal the original's bit for bit."""
+    of the reloaded model must equal the original's bit for bit. Without --workdir the files go to a
+    temporary folder, removed afterwards."""
+    if a.workdir:
+        return _demo_round_trip(a.workdir)
+    with tempfile.TemporaryDirectory(prefix="dinfer-jax-demo-") as work:
+        _demo_round_trip(work, " (a temporary folder, removed now)")
+
+
+def _demo_round_trip(work: str, note: str = ""):
     import jax
     import numpy as np
     from converters import convert, export
@@ -443,7 +456,6 @@ def cmd_demo(a):
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
 
-    work = a.workdir or tempfile.mkdtemp(prefix="dinfer-jax-demo-")
     cfg = preset("tiny")
     params = init_params(cfg, seed=0)
     print(f"tiny LLaDA-MoE (random weights): {cfg.num_params:,} params, {cfg.num_experts} experts "
@@ -457,7 +469,7 @@ def cmd_demo(a):
     a_logits = Model(cfg, params).logits(ids)
     b_logits = reloaded.logits(ids)
     same = bool(np.array_equal(a_logits, b_logits))
-    print(f"HF export + convert round trip in {work}: logits identical = {same}")
+    print(f"HF export + convert round trip in {work}{note}: logits identical = {same}")
     print(f"argmax per position: {b_logits.argmax(-1).tolist()}")
     if not same:
         raise SystemExit("demo failed: logits differ after the round trip")
@@ -643,10 +655,11 @@ def cmd_profile(a):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dinfer-jax", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Inference for masked-diffusion language models (LLaDA, LLaDA-MoE) in JAX: the whole "
-                    "denoising schedule runs as one compiled loop.",
+        description="Inference for masked-diffusion language models in JAX (LLaDA, LLaDA-MoE, LLaDA2.x,\n"
+                    "Dream/DiffuCoder, SDAR, Fast-dLLM v2): the whole denoising schedule runs as one compiled loop.",
         epilog="""examples:
   dinfer-jax generate --prompt "add 123+045="               # the built-in demo model -> 0168
+  dinfer-jax generate --model demo-block --prompt "sort 5391="   # the block-diffusion demo model -> 1359
   dinfer-jax convert ~/hf/LLaDA-MoE-7B-A1B-Instruct ckpt/   # Hugging Face folder -> checkpoint
   dinfer-jax generate --model ckpt/ --prompt "Hi" --gen-length 128 --block-length 64 --threshold 0.9
   dinfer-jax generate --model ckpt/ --prompt-ids 1,2,3 --show-canvas      # watch the masks resolve
@@ -670,16 +683,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty DST_DIR whole")
     c.set_defaults(fn=cmd_convert)
     e = sub.add_parser("export", help="dinfer-jax checkpoint -> HF safetensors folder")
-    e.add_argument("src")
+    e.add_argument("src", help="a dinfer-jax checkpoint folder, or 'demo' / 'demo-block' (the built-in demo models)")
     e.add_argument("dst")
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty HF_DIR whole")
     e.set_defaults(fn=cmd_export)
     i = sub.add_parser("info", help="print the config of a model folder")
-    i.add_argument("model")
+    i.add_argument("model", help="a model folder, or 'demo' / 'demo-block' (the built-in demo models)")
     i.set_defaults(fn=cmd_info)
     lg = sub.add_parser("logits", help="one full bidirectional forward; prints the argmax per position")
-    lg.add_argument("--model", required=True)
+    lg.add_argument("--model", required=True, help="a model folder, or 'demo' / 'demo-block' (the built-in demo "
+                                                   "models)")
     lg.add_argument("--prompt-ids", type=_parse_ids, required=True)
     lg.add_argument("--json", action="store_true")
     _add_scale_flags(lg)
@@ -699,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                       "/v1/models, /health, /stats)")
-    sv.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    sv.add_argument("--model", default=None, help=MODEL_HELP)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=_port, default=8000, help="1..65535 (default 8000)")
     sv.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the folder name)")
@@ -755,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=cmd_serve)
     bn = sub.add_parser("bench", help="generation throughput: tokens/s, forwards, tokens/forward for each "
                                       "batch size x strategy x cache")
-    bn.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo model)")
+    bn.add_argument("--model", default=None, help=MODEL_HELP)
     bn.add_argument("--batch", type=_int_list, default=[1], help="comma-separated batch sizes (default 1)")
     bn.add_argument("--strategies", default="threshold", help="comma-separated strategies (default threshold)")
     bn.add_argument("--caches", default="dual", help="comma-separated caches (default dual)")
@@ -774,8 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(fn=cmd_profile)
     ev = sub.add_parser("eval", help="evaluate: demo tasks (strategy x cache table + plot), a JSONL file, HumanEval")
     ev.add_argument("suite", choices=("demo", "jsonl", "humaneval"))
-    ev.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder (default: the built-in demo "
-                    "model; the demo suite then also runs the built-in block-diffusion demo model)")
+    ev.add_argument("--model", default=None, help="dinfer-jax checkpoint or HF folder, or 'demo' / 'demo-block' "
+                    "(default: the built-in demo model; the demo suite then also runs the built-in block-diffusion "
+                    "demo model)")
     ev.add_argument("--data", default=None, help="jsonl suite: a file of {\"prompt\": ..., \"answer\": ...} lines")
     ev.add_argument("--n", type=_positive, default=100, help="demo suite: fresh problems")
     ev.add_argument("--seed", type=int, default=12345, help="demo suite: problem seed")
@@ -804,7 +819,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="compile for a TPU topology on this host (libtpu compile-only): per-chip "
                                      "memory and fit, Mosaic calls, collectives, a predicted floor")
     src = pl.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="model folder (only its config.json is read)")
+    src.add_argument("--model", help="model folder, or 'demo' / 'demo-block' (only its config.json is read)")
     src.add_argument("--preset", help="a config preset (dinfer_jax.config.presets), e.g. llada-moe-7b-a1b")
     pl.add_argument("--topology", required=True, help="e.g. v5e:1x1, v5e:2x2, v6e:2x4, v5p:2x2x1, v7x:2x2x1")
     pl.add_argument("--mesh", default=None, help="data=,expert=,model= sizes (default: try every mesh that "
@@ -846,11 +861,22 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _pl
         _plain(message, category, filename, lineno, file, line)
 
 
+# Commands that hand all their arguments to another parser (argparse's REMAINDER drops a leading
+# option such as --help or --steps): command -> the attribute that receives them.
+PASSTHROUGH = {"train": "train_argv", "lm-eval": "lm_eval_argv"}
+
+
 def main(argv=None):
     args = None
     warnings.showwarning = _show_warning
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        if argv[:1] and argv[0] in PASSTHROUGH:  # their own parsers read every argument, --help too
+            args = parser.parse_args(argv[:1])
+            setattr(args, PASSTHROUGH[argv[0]], argv[1:])
+        else:
+            args = parser.parse_args(argv)
         args.fn(args)
     except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
         print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)

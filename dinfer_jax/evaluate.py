@@ -22,7 +22,7 @@ import numpy as np
 
 from dinfer_jax.decoding.loop import CACHES
 from dinfer_jax.decoding.strategies import STRATEGIES
-from dinfer_jax.engine import EDIT_MODES, SamplingParams, generate
+from dinfer_jax.engine import EDIT_MODES, InvalidParam, SamplingParams, generate
 
 # Per-strategy settings used in the tables (dInfer / Fast-dLLM defaults, shared/reference/decoding.md).
 STRATEGY_SETTINGS = {
@@ -66,8 +66,25 @@ def parse_strategies(text):
     return _parse_list(text, STRATEGIES, "strategy", list(STRATEGY_SETTINGS))
 
 
-def parse_caches(text):
-    return _parse_list(text, CACHES, "cache")
+def model_caches(cfg) -> list[str]:
+    """The caches of CACHES a model can decode with, as engine.check_model decides from its config
+    (block diffusion only on a block-causal model)."""
+    out = []
+    for cache in CACHES:
+        try:
+            SamplingParams(strategy="threshold", cache=cache).spec_for(cfg)  # spec_for runs check_model
+        except InvalidParam as e:
+            if e.field != "cache":
+                raise
+            continue
+        out.append(cache)
+    return out
+
+
+def parse_caches(text, cfg=None):
+    """Comma-separated caches; 'all' (or empty): every cache, or with `cfg` every one its model can
+    decode with (`model_caches`)."""
+    return _parse_list(text, CACHES, "cache", None if cfg is None else model_caches(cfg))
 
 
 @dataclasses.dataclass
@@ -138,21 +155,23 @@ def eval_demo(model, tok, n: int = 100, seed: int = 12345, strategies=("fixed", 
     from dinfer_jax import tasks as T
     probs = T.sample(n, seed=seed)
     prompt_ids = tok.encode_batch([p["prompt"] for p in probs])
+    settings = [sampling_params(strategy, cache, gen_length, block_length, model=model, **(overrides or {}))
+                for strategy in strategies for cache in caches]
+    for sp in settings:  # every setting checked against the model before the first compile
+        sp.spec_for(model.config)
     rows = []
-    for strategy in strategies:
-        for cache in caches:
-            sp = sampling_params(strategy, cache, gen_length, block_length, model=model, **(overrides or {}))
-            run = run_prompts(model, tok, prompt_ids, sp, batch_size)
-            ok = [o == p["answer"] for o, p in zip(run.outputs, probs)]
-            per_task = {t: float(np.mean([k for k, p in zip(ok, probs) if p["task"] == t]))
-                        for t in T.TASKS if any(p["task"] == t for p in probs)}
-            row = {"strategy": sp.strategy, "cache": sp.cache, "n": n, "accuracy": float(np.mean(ok)),
-                   "per_task": per_task, "nfe": float(np.mean(run.nfe)), "tpf": run.tpf,
-                   "tokens_per_s": run.tokens_per_s, "seconds": run.seconds,
-                   "compile_seconds": run.compile_seconds, "settings": _settings(sp)}
-            rows.append(row)
-            if progress:
-                progress(row)
+    for sp in settings:
+        run = run_prompts(model, tok, prompt_ids, sp, batch_size)
+        ok = [o == p["answer"] for o, p in zip(run.outputs, probs)]
+        per_task = {t: float(np.mean([k for k, p in zip(ok, probs) if p["task"] == t]))
+                    for t in T.TASKS if any(p["task"] == t for p in probs)}
+        row = {"strategy": sp.strategy, "cache": sp.cache, "n": n, "accuracy": float(np.mean(ok)),
+               "per_task": per_task, "nfe": float(np.mean(run.nfe)), "tpf": run.tpf,
+               "tokens_per_s": run.tokens_per_s, "seconds": run.seconds,
+               "compile_seconds": run.compile_seconds, "settings": _settings(sp)}
+        rows.append(row)
+        if progress:
+            progress(row)
     return rows
 
 

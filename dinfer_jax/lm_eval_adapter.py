@@ -6,10 +6,10 @@
   `lm_eval.models` entry point `dinfer_jax`, which lm-eval versions with plugin discovery pick up
   so that plain `lm_eval --model dinfer_jax` works)
 
-model_args: pretrained (model folder; default the built-in demo model), gen_length, block_length,
-strategy, cache, threshold, low_threshold, factor, steps (each unset one: the model's default,
-SamplingParams.for_model: its family's, then its folder's generation_config.json), batch_size,
-mc_num (Monte-Carlo samples per loglikelihood).
+model_args: pretrained (model folder, or 'demo' / 'demo-block'; default the built-in demo model),
+gen_length, block_length, strategy, cache, threshold, low_threshold, factor, steps (each unset one:
+the model's default, SamplingParams.for_model: its family's, then its folder's
+generation_config.json), batch_size, mc_num (Monte-Carlo samples per loglikelihood).
 
 - generate_until: diffusion decoding of gen_length tokens, cut at the request's `until` strings.
 - loglikelihood: the masked-diffusion bound LLaDA's evaluation uses: for each of mc_num draws mask
@@ -44,10 +44,10 @@ class DinferJaxLM(LM):
                  mc_num=8, seed=0, **kwargs):
         super().__init__()
         from dinfer_jax import SamplingParams, load_model
-        from dinfer_jax.checkpoint import DEMO_MODEL_DIR
+        from dinfer_jax.checkpoint import DEMO_MODEL_DIR, check_model_folder
         from dinfer_jax.evaluate import sampling_params
         from dinfer_jax.tokenizer import load_tokenizer
-        self.path = pretrained or DEMO_MODEL_DIR
+        self.path = check_model_folder(pretrained or DEMO_MODEL_DIR)  # 'demo' / 'demo-block' too
         self.model = load_model(self.path)
         self.tok = load_tokenizer(self.path)
         lengths = {k: int(v) for k, v in (("gen_length", gen_length), ("block_length", block_length)) if v is not None}
@@ -148,11 +148,12 @@ def _logsumexp(x):
 def main(argv=None):
     """`lm_eval` CLI with this backend registered (for lm-eval versions without plugin discovery)."""
     from lm_eval.__main__ import cli_evaluate
-    if argv is not None:
-        sys.argv = ["lm_eval"] + list(argv)
-    else:
-        sys.argv[0] = "lm_eval"
-    cli_evaluate()
+    saved = list(sys.argv)
+    sys.argv = ["lm_eval"] + (list(argv) if argv is not None else saved[1:])  # lm_eval parses sys.argv
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
 
 
 if __name__ == "__main__":

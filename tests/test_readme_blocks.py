@@ -1,7 +1,8 @@
 """Every fenced code block of README.md runs, unless the README marks it `<!-- not-run: reason -->`
 (the comment right before the fence).
 
-- ```python blocks are executed; ```bash blocks line by line: `dinfer-jax ...` in-process through
+- ```python blocks are executed (their `# -> TEXT` comments must appear in their stdout, in that
+  order); ```bash blocks line by line: `dinfer-jax ...` in-process through
   `cli.main` (exit 0; a `# -> TEXT` comment must appear in stdout), `dinfer-jax serve ... &` as a
   background server on a free port (stopped after the blocks that use it), `curl` as a subprocess.
 - Placeholders: `path/to/checkpoint-or-hf-folder` and `ckpt/` -> the built-in demo model; port 8000
@@ -79,6 +80,17 @@ def test_every_code_block_runs_or_says_why_not():
             assert b["lang"] in CODE_LANGS, (f"README.md:{b['line']}: ```{b['lang']} is not run by this test; "
                                              "use bash/python or mark it <!-- not-run: reason -->")
     assert sum(len(u) for u in units()) >= 5
+    shown = [_shown(line) for b in found if b["lang"] in ("python", "py") and b["skip"] is None
+             for line in b["code"].splitlines()]
+    assert any(shown), "no runnable python block shows its output (# -> TEXT)"
+
+
+def test_shown_output_is_checked():
+    code = "print(x)  # -> 0168\nprint(y)  # -> 1359"
+    _check_shown(code, "0168\n1359\n", "ok")
+    for wrong in ("0167\n1359\n", "1359\n0168\n"):  # a wrong answer; the right ones in the wrong order
+        with pytest.raises(AssertionError):
+            _check_shown(code, wrong, "wrong")
 
 
 def _free_port() -> int:
@@ -93,14 +105,30 @@ def _substitute(code: str, port: int) -> str:
     return code.replace(":8000", f":{port}").replace("--port 8000", f"--port {port}")
 
 
+def _shown(line: str) -> str | None:
+    """The output a line shows in a `# -> TEXT` comment (TEXT up to the first space), or None."""
+    m = re.search(r"#\s*->\s*(\S+)", line)
+    return m.group(1) if m else None
+
+
+def _check_shown(code: str, stdout: str, where: str):
+    """Every `# -> TEXT` of a python block appears in its stdout, in the block's order."""
+    pos = 0
+    for line in code.splitlines():
+        text = _shown(line)
+        if text is not None:
+            i = stdout.find(text, pos)
+            assert i >= 0, (where, f"shows {text!r}", stdout)
+            pos = i + len(text)
+
+
 def _commands(code: str):
     """(argv, expected stdout text or None, background) per shell command."""
     for line in code.replace("\\\n", " ").splitlines():
-        m = re.search(r"#\s*->\s*(\S+)", line)
         argv = shlex.split(line, comments=True)
         if argv:
             bg = argv[-1] == "&"
-            yield (argv[:-1] if bg else argv), (m.group(1) if m else None), bg
+            yield (argv[:-1] if bg else argv), _shown(line), bg
 
 
 def _wait_healthy(proc, port: int, timeout: float = 240):
@@ -170,7 +198,10 @@ def test_readme_block_runs(unit, monkeypatch):
             if block["lang"] in ("python", "py"):
                 if "from openai import" in code:
                     pytest.importorskip("openai")
-                exec(compile(code, f"README.md:{block['line']}", "exec"), {"__name__": "__readme__"})
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    exec(compile(code, f"README.md:{block['line']}", "exec"), {"__name__": "__readme__"})
+                _check_shown(code, out.getvalue(), f"README.md:{block['line']}")
             else:
                 if "curl " in code and not any(os.access(os.path.join(d, "curl"), os.X_OK)
                                                for d in os.environ.get("PATH", "").split(os.pathsep)):
