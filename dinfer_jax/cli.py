@@ -8,6 +8,9 @@
   dinfer-jax generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
       [--strategy S] [--threshold T] [--steps N] [--cache C] [--temperature T] [--seed S] [--json]
       (without --model: the built-in demo model, dinfer_jax/demo_model)
+  dinfer-jax generate [--model DIR] --prompts-file FILE [--batch-size N] [--json] ...   (one line per prompt)
+  dinfer-jax chat [--model DIR] [--system TEXT] [--show-prompt] [--no-stream] ...   (stdin lines; /reset, /exit)
+  every --model may be a Hugging Face Hub id ORG/NAME (dinfer_jax/hub.py: downloaded, or cached offline)
   dinfer-jax eval demo|jsonl|humaneval [--model DIR] [--data FILE] [--n N] [--strategy LIST] [--cache LIST] [--out DIR]
   dinfer-jax train [--out DIR] [--workdir W] [--steps N] ...   (= python -m dinfer_jax.train)
   dinfer-jax lm-eval run --model dinfer_jax --model_args pretrained=DIR --tasks T ...   (lm_eval CLI)
@@ -856,6 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
   dinfer-jax convert ~/hf/LLaDA-MoE-7B-A1B-Instruct ckpt/   # Hugging Face folder -> checkpoint
   dinfer-jax generate --model ckpt/ --prompt "Hi" --gen-length 128 --block-length 64 --threshold 0.9
   dinfer-jax generate --model ckpt/ --prompt-ids 1,2,3 --show-canvas      # watch the masks resolve
+  dinfer-jax chat --model ckpt/                             # interactive, answers streamed
   dinfer-jax serve --model ckpt/ --port 8000                # OpenAI-compatible server
   dinfer-jax bench --model ckpt/ --batch 1,4,16 --strategies threshold,credit
   dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # then: xprof --logdir /tmp/prof

@@ -58,6 +58,8 @@ def _reason(e: Exception | None) -> str:
     """Why the online try failed, in a few words."""
     if e is None:
         return "offline (HF_HUB_OFFLINE is set)"
+    if type(e).__name__ == "LocalEntryNotFoundError" and e.__cause__ is not None:
+        e = e.__cause__  # huggingface_hub's own cache fallback wraps the network error
     name = type(e).__name__
     if name == "GatedRepoError":
         return "it is a gated repo: accept its terms on huggingface.co and log in (hf auth login)"
@@ -65,11 +67,11 @@ def _reason(e: Exception | None) -> str:
         return "no such model on the Hub (a private repo needs: hf auth login)"
     if name == "RevisionNotFoundError":
         return "the Hub has no such revision"
-    cause = e.__cause__ or e.__context__
-    text = f"{name}: {' '.join(str(e).split())}" if str(e) else name
-    if cause is not None and type(cause).__name__ not in text:
-        text += f" ({type(cause).__name__})"
-    return f"the download failed ({text[:200]})"
+    text = " ".join(str(e).split())[:120]
+    text = f"{name}: {text}" if text else name
+    if isinstance(e, (ConnectionError, TimeoutError)) or "Connect" in name or "Timeout" in name:
+        return f"the Hub could not be reached ({text})"
+    return f"the download failed ({text})"
 
 
 def resolve_model(path_or_id):

@@ -6,7 +6,7 @@
   `lm_eval.models` entry point `dinfer_jax`, which lm-eval versions with plugin discovery pick up
   so that plain `lm_eval --model dinfer_jax` works)
 
-model_args: pretrained (model folder; default the built-in demo model), gen_length, block_length,
+model_args: pretrained (model folder or Hub id ORG/NAME; default the built-in demo model), gen_length, block_length,
 strategy, cache, threshold, low_threshold, factor, steps (each unset one: the model's default,
 SamplingParams.for_model: its family's, then its folder's generation_config.json), batch_size,
 mc_num (Monte-Carlo samples per loglikelihood).
@@ -46,8 +46,9 @@ class DinferJaxLM(LM):
         from dinfer_jax import SamplingParams, load_model
         from dinfer_jax.checkpoint import DEMO_MODEL_DIR
         from dinfer_jax.evaluate import sampling_params
+        from dinfer_jax.hub import resolve_model
         from dinfer_jax.tokenizer import load_tokenizer
-        self.path = pretrained or DEMO_MODEL_DIR
+        self.path = resolve_model(pretrained) if pretrained else DEMO_MODEL_DIR  # a folder or a Hub id ORG/NAME
         self.model = load_model(self.path)
         self.tok = load_tokenizer(self.path)
         lengths = {k: int(v) for k, v in (("gen_length", gen_length), ("block_length", block_length)) if v is not None}

@@ -59,7 +59,8 @@ def test_chat_history_reset_and_streaming(monkeypatch, capsys):
     # the engine's plain (non-streamed) answer to the same prompt (turn 3 repeats turn 1 after /reset)
     model, tok = load_model(DEMO_MODEL_DIR), load_tokenizer(DEMO_MODEL_DIR)
     sp = SamplingParams.for_model(model.config, DEMO_MODEL_DIR, gen_length=16, block_length=8, ignore_eos=True)
-    plain = tok.decode(generate(model, [np.asarray(tok.encode_prompt(prompts[0], allow_special=True))], sp).token_ids[0])
+    ids = tok.encode_prompt(prompts[0], allow_special=True)
+    plain = tok.decode(generate(model, [np.asarray(ids)], sp).token_ids[0])
     assert answers[0] == answers[2] == plain
     assert all(len(a) == 16 for a in answers[:3])  # --ignore-eos: no early stop, a character per token
     # streamed: the first block's text, then the second block's, then the newline (per answer)
