@@ -378,12 +378,12 @@ def _generate_prompts_file(a):
             rows.append(ids)
     sp = _sampling_params(a, model_dir)
     model = _load_model(a, model_dir)
-    main = _is_main_process()
+    is_main = _is_main_process()
     t0, tokens = time.perf_counter(), 0
     for start in range(0, len(rows), a.batch_size):
         chunk = rows[start:start + a.batch_size]
         r = generate(model, [np.asarray(ids) for ids in chunk], sp)
-        if not main:
+        if not is_main:
             continue
         for i, ids in enumerate(r.token_ids):
             k = start + i
@@ -395,11 +395,10 @@ def _generate_prompts_file(a):
             else:
                 print(text.replace("\n", "\\n") if text is not None else " ".join(map(str, ids)))
         sys.stdout.flush()
-    if main:
+    if is_main:
         n_batches = -(-len(rows) // a.batch_size)
         print(f"[{len(rows)} prompts in {n_batches} batch(es) of at most {a.batch_size}, {tokens} tokens, "
               f"{time.perf_counter() - t0:.2f}s incl. compile]", file=sys.stderr)
-
 
 
 def _until_stop(gen_G, stops, mask_id) -> list[int]:
