@@ -8,6 +8,9 @@
   dinfer-jax generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [--gen-length N] [--block-length B]
       [--strategy S] [--threshold T] [--steps N] [--cache C] [--temperature T] [--seed S] [--json]
       (without --model: the built-in demo model, dinfer_jax/demo_model)
+  dinfer-jax generate [--model DIR] --prompts-file FILE [--batch-size N] [--json] ...   (one line per prompt)
+  dinfer-jax chat [--model DIR] [--system TEXT] [--show-prompt] [--no-stream] ...   (stdin lines; /reset, /exit)
+  every --model may be a Hugging Face Hub id ORG/NAME (dinfer_jax/hub.py: downloaded, or cached offline)
   dinfer-jax eval demo|jsonl|humaneval [--model DIR] [--data FILE] [--n N] [--strategy LIST] [--cache LIST] [--out DIR]
   dinfer-jax train [--out DIR] [--workdir W] [--steps N] ...   (= python -m dinfer_jax.train)
   dinfer-jax lm-eval run --model dinfer_jax --model_args pretrained=DIR --tasks T ...   (lm_eval CLI)
@@ -253,6 +256,7 @@ def _add_model_and_prompt_flags(p):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="text (needs tokenizer.json in the model folder)")
     src.add_argument("--prompt-ids", type=_parse_ids, default=None)
+    return src
 
 
 def _prompt_setup(a):
@@ -278,6 +282,8 @@ def _add_compile_cache_flag(p):
 def cmd_generate(a):
     import numpy as np
     from dinfer_jax import compile_cache, generate
+    if getattr(a, "prompts_file", None) is not None:
+        return _generate_prompts_file(a)
     compile_cache.enable(a.compile_cache)  # before the first compile
     model_dir, tok, ids, sp, model = _prompt_setup(a)
     observer = None
@@ -312,6 +318,208 @@ def cmd_generate(a):
         rerun = f"; timed rerun {timed:.3f}s = {out['tokens_per_s']:.0f} tokens/s" if timed is not None else ""
         print(f"[{n} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s incl. compile"
               f"{rerun}; XLA compile {compile_s:.2f}s; {cache}]", file=sys.stderr)
+
+
+def _read_prompts_file(path: str) -> tuple[list[tuple[int, object]], bool]:
+    """-> ([(line number, prompt)], is_jsonl). JSONL when the first non-blank line parses as a JSON
+    object: then every non-blank line must be {"prompt": text or [token ids], ...}. Otherwise plain
+    text: each non-blank line is one prompt (its line ending removed). Blank lines are skipped."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line.rstrip("\r\n")) for n, line in enumerate(f, 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts-file {path!r} has no prompts (it is empty)")
+    try:
+        jsonl = isinstance(json.loads(lines[0][1]), dict)
+    except ValueError:
+        jsonl = False
+    if not jsonl:
+        return lines, False
+    out = []
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path} line {n}: not JSON ({e}); a file whose first line is a JSON object is read "
+                             f"as JSONL, one {{\"prompt\": ...}} per line") from None
+        p = obj.get("prompt") if isinstance(obj, dict) else None
+        ok = isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                       for t in p))
+        if not ok:
+            raise ValueError(f"{path} line {n}: expected {{\"prompt\": \"text\"}} or {{\"prompt\": [token ids]}}, "
+                             f"got {line[:80]}")
+        out.append((n, p))
+    return out, True
+
+
+def _generate_prompts_file(a):
+    """generate --prompts-file: every prompt of the file, --batch-size at a time, one output line each
+    (in file order) as soon as its batch is decoded."""
+    import numpy as np
+    from dinfer_jax import compile_cache, generate
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    if a.show_canvas or a.timed:
+        raise ValueError(f"{'--show-canvas' if a.show_canvas else '--timed'} works with one prompt "
+                         "(--prompt / --prompt-ids), not --prompts-file")
+    compile_cache.enable(a.compile_cache)
+    entries, _ = _read_prompts_file(a.prompts_file)
+    model_dir = _model_dir(a)
+    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    rows = []
+    for n, p in entries:
+        where = f"{a.prompts_file} line {n}"
+        if isinstance(p, list):
+            rows.append(p)
+        elif tok is None:
+            raise ValueError(f"{where}: text prompts need {os.path.join(model_dir, 'tokenizer.json')}; give "
+                             "token ids instead (JSONL {\"prompt\": [1, 2, 3]})")
+        else:
+            ids = tok.encode_prompt(p, where)
+            if not ids:
+                raise ValueError(f"{where}: the prompt is empty")
+            rows.append(ids)
+    sp = _sampling_params(a, model_dir)
+    model = _load_model(a, model_dir)
+    is_main = _is_main_process()
+    t0, tokens = time.perf_counter(), 0
+    for start in range(0, len(rows), a.batch_size):
+        chunk = rows[start:start + a.batch_size]
+        r = generate(model, [np.asarray(ids) for ids in chunk], sp)
+        if not is_main:
+            continue
+        for i, ids in enumerate(r.token_ids):
+            k = start + i
+            text = tok.decode(ids) if tok is not None else None
+            tokens += len(ids)
+            if a.json:
+                print(json.dumps({"index": k, "line": entries[k][0], "prompt": entries[k][1], "token_ids": ids,
+                                  "text": text, "nfe": r.nfe[i], "tpf": round(r.tpf[i], 3)}))
+            else:
+                print(text.replace("\n", "\\n") if text is not None else " ".join(map(str, ids)))
+        sys.stdout.flush()
+    if is_main:
+        n_batches = -(-len(rows) // a.batch_size)
+        print(f"[{len(rows)} prompts in {n_batches} batch(es) of at most {a.batch_size}, {tokens} tokens, "
+              f"{time.perf_counter() - t0:.2f}s incl. compile]", file=sys.stderr)
+
+
+def _until_stop(gen_G, stops, mask_id) -> list[int]:
+    """A generation region -> its ids before the first stop id or undecoded (mask) position."""
+    out = []
+    for t in gen_G:
+        t = int(t)
+        if t == mask_id or t in stops:
+            break
+        out.append(t)
+    return out
+
+
+class _AnswerStream:
+    """Writes one answer to `out` as its blocks commit: the engine's observer (fn(step, gen_BG,
+    blk_B, done_B, active_B), as the server's streaming), then `finish(ids)` with the final ids."""
+
+    def __init__(self, decode, stops, mask_id: int, block_length: int, out):
+        self.decode, self.stops, self.mask_id, self.bl, self.out = decode, stops, mask_id, block_length, out
+        self.blocks, self.sent = 0, ""
+
+    def __call__(self, step, gen_BG, blk_B, done_B, active_B):
+        finished = gen_BG.shape[1] // self.bl if done_B[0] else int(blk_B[0])
+        if finished > self.blocks:
+            self.blocks = finished
+            # a trailing U+FFFD is half a character whose other bytes are in the next block
+            self._write(self.decode(_until_stop(gen_BG[0, :finished * self.bl], self.stops, self.mask_id))
+                        .rstrip("\ufffd"))
+
+    def _write(self, text: str) -> bool:
+        if not text.startswith(self.sent):
+            return False
+        if len(text) > len(self.sent):
+            self.out.write(text[len(self.sent):])
+            self.out.flush()
+            self.sent = text
+        return True
+
+    def finish(self, ids) -> str:
+        """Write the rest of the answer (the whole answer again on a new line in the rare case a later
+        block changed text already written) and a newline; -> the answer text."""
+        text = self.decode(ids)
+        if not self._write(text):
+            self.out.write("\n" + text)
+        self.out.write("\n")
+        self.out.flush()
+        return text
+
+
+CHAT_COMMANDS = ("/reset", "/exit", "/quit")
+
+
+def cmd_chat(a):
+    """Interactive chat: one user message per stdin line, answers streamed to stdout block by block."""
+    import numpy as np
+    from dinfer_jax import compile_cache, generate
+    from dinfer_jax.chat import ChatFormatter
+    from dinfer_jax.tokenizer import has_tokenizer
+    compile_cache.enable(a.compile_cache)
+    model_dir = _model_dir(a)
+    if not has_tokenizer(model_dir):
+        raise ValueError(f"chat needs {os.path.join(model_dir, 'tokenizer.json')} (text in, text out); this folder "
+                         "has none: use generate --prompt-ids")
+    from dinfer_jax.tokenizer import load_tokenizer
+    tok = load_tokenizer(model_dir)
+    sp = _sampling_params(a, model_dir)
+    model = _load_model(a, model_dir)
+    cfg = model.config
+    fmt = ChatFormatter(model_dir, cfg.family)
+    stops = frozenset() if sp.ignore_eos else cfg.stop_ids
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    if a.system:
+        tok.encode_prompt(a.system, "--system")
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    print(f"dinfer-jax chat: {os.path.basename(os.path.normpath(model_dir))} (gen {sp.gen_length}, block "
+          f"{sp.block_length}, {sp.strategy} / {sp.cache}); /reset clears the history, /exit or EOF quits",
+          file=sys.stderr, flush=True)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd == "/reset":
+            history = []
+            print("[history cleared]", file=sys.stderr, flush=True)
+            continue
+        if cmd.startswith("/") and " " not in cmd:
+            print(f"dinfer-jax: unknown command {cmd} (commands: {', '.join(CHAT_COMMANDS)}); not sent",
+                  file=sys.stderr, flush=True)
+            continue
+        user = {"role": "user", "content": line}
+        try:
+            tok.encode_prompt(line, "your message")  # no special tokens written as text, no unknown characters
+            while True:
+                text = fmt(system + history + [user])
+                ids = tok.encode_prompt(text, "the chat prompt", allow_special=True)
+                if len(ids) + sp.gen_length <= cfg.max_position_embeddings or not history:
+                    break
+                history = history[2:]  # the oldest exchange
+                print("[the oldest exchange was dropped: the conversation exceeds the model's "
+                      f"{cfg.max_position_embeddings} positions]", file=sys.stderr, flush=True)
+            if a.show_prompt:
+                print(f"[prompt: {len(ids)} tokens]\n{text}\n[/prompt]", file=sys.stderr, flush=True)
+            out = _AnswerStream(tok.decode, stops, cfg.mask_token_id, sp.block_length, sys.stdout)
+            r = generate(model, [np.asarray(ids)], sp, observer=None if a.no_stream else out)
+        except ValueError as e:  # this message only: the conversation goes on
+            print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr, flush=True)
+            continue
+        answer = out.finish(_until_stop(r.raw_ids[0], stops, cfg.mask_token_id))
+        history += [user, {"role": "assistant", "content": answer}]
+        if interactive:
+            print(f"[{r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s]", file=sys.stderr)
 
 
 def cmd_eval(a):
@@ -663,6 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
   dinfer-jax convert ~/hf/LLaDA-MoE-7B-A1B-Instruct ckpt/   # Hugging Face folder -> checkpoint
   dinfer-jax generate --model ckpt/ --prompt "Hi" --gen-length 128 --block-length 64 --threshold 0.9
   dinfer-jax generate --model ckpt/ --prompt-ids 1,2,3 --show-canvas      # watch the masks resolve
+  dinfer-jax chat --model ckpt/                             # interactive, answers streamed
   dinfer-jax serve --model ckpt/ --port 8000                # OpenAI-compatible server
   dinfer-jax bench --model ckpt/ --batch 1,4,16 --strategies threshold,credit
   dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # then: xprof --logdir /tmp/prof
@@ -698,8 +907,16 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--json", action="store_true")
     _add_scale_flags(lg)
     lg.set_defaults(fn=cmd_logits)
-    g = sub.add_parser("generate", help="diffusion decoding of one prompt (the whole schedule in one jitted loop)")
-    _add_model_and_prompt_flags(g)
+    g = sub.add_parser("generate", help="diffusion decoding of one prompt, or of a file of prompts in batches (the "
+                                        "whole schedule in one jitted loop)")
+    _add_model_and_prompt_flags(g).add_argument(
+        "--prompts-file", default=None, metavar="FILE",
+        help="many prompts, one output line each, in order: JSONL when the first non-blank line is a JSON object "
+             "(then every line is {\"prompt\": \"text\"} or {\"prompt\": [token ids]}), else plain text with one "
+             "prompt per line; blank lines are skipped. A newline inside an answer is printed as \\n (--json keeps "
+             "the exact text, with index, line, prompt, token_ids, text, nfe, tpf)")
+    g.add_argument("--batch-size", type=_positive, default=16,
+                   help="--prompts-file: prompts decoded together in one generate call (default 16)")
     _add_decoding_flags(g)
     g.add_argument("--show-canvas", action="store_true",
                    help="redraw the canvas after every step on the terminal (masked positions as '░'; off when "
@@ -711,6 +928,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_cache_flag(g)
     _add_scale_flags(g)
     g.set_defaults(fn=cmd_generate)
+    ch = sub.add_parser("chat", help="interactive chat with the model folder's chat template: one message per "
+                                     "stdin line, answers streamed as blocks commit; /reset clears the history, "
+                                     "/exit or EOF quits")
+    ch.add_argument("--model", default=None, help="dinfer-jax checkpoint, HF folder or Hub id ORG/NAME (default: "
+                                                  "the built-in demo model); needs tokenizer.json")
+    ch.add_argument("--system", default=None, help="a system message before the conversation (kept by /reset)")
+    ch.add_argument("--no-stream", action="store_true", help="print each answer when it is complete")
+    ch.add_argument("--show-prompt", action="store_true",
+                    help="print each turn's prompt (the chat template applied to the history) on stderr")
+    _add_decoding_flags(ch)
+    _add_compile_cache_flag(ch)
+    ch.set_defaults(fn=cmd_chat)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                       "/v1/models, /health, /stats)")
     sv.add_argument("--model", default=None, help=MODEL_HELP)
@@ -877,6 +1106,9 @@ def main(argv=None):
             setattr(args, PASSTHROUGH[argv[0]], argv[1:])
         else:
             args = parser.parse_args(argv)
+        if isinstance(getattr(args, "model", None), str):  # every command's --model (info's MODEL_DIR)
+            from dinfer_jax.hub import resolve_model
+            args.model = resolve_model(args.model)
         args.fn(args)
     except (ValueError, OSError) as e:  # ConfigError, ConversionError, InvalidParam are ValueErrors
         print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr)

@@ -6,10 +6,10 @@
   `lm_eval.models` entry point `dinfer_jax`, which lm-eval versions with plugin discovery pick up
   so that plain `lm_eval --model dinfer_jax` works)
 
-model_args: pretrained (model folder, or 'demo' / 'demo-block'; default the built-in demo model),
-gen_length, block_length, strategy, cache, threshold, low_threshold, factor, steps (each unset one:
-the model's default, SamplingParams.for_model: its family's, then its folder's
-generation_config.json), batch_size, mc_num (Monte-Carlo samples per loglikelihood).
+model_args: pretrained (model folder, 'demo' / 'demo-block', or a Hub id ORG/NAME; default the
+built-in demo model), gen_length, block_length, strategy, cache, threshold, low_threshold, factor,
+steps (each unset one: the model's default, SamplingParams.for_model: its family's, then its
+folder's generation_config.json), batch_size, mc_num (Monte-Carlo samples per loglikelihood).
 
 - generate_until: diffusion decoding of gen_length tokens, cut at the request's `until` strings.
 - loglikelihood: the masked-diffusion bound LLaDA's evaluation uses: for each of mc_num draws mask
@@ -46,8 +46,10 @@ class DinferJaxLM(LM):
         from dinfer_jax import SamplingParams, load_model
         from dinfer_jax.checkpoint import DEMO_MODEL_DIR, check_model_folder
         from dinfer_jax.evaluate import sampling_params
+        from dinfer_jax.hub import resolve_model
         from dinfer_jax.tokenizer import load_tokenizer
-        self.path = check_model_folder(pretrained or DEMO_MODEL_DIR)  # 'demo' / 'demo-block' too
+        # a folder, 'demo' / 'demo-block', or a Hub id ORG/NAME
+        self.path = check_model_folder(resolve_model(pretrained) if pretrained else DEMO_MODEL_DIR)
         self.model = load_model(self.path)
         self.tok = load_tokenizer(self.path)
         lengths = {k: int(v) for k, v in (("gen_length", gen_length), ("block_length", block_length)) if v is not None}

@@ -15,6 +15,8 @@ os.environ.setdefault("DINFER_JAX_COMPILE_CACHE", "off")
 # on the CPU and compile for TPU only through compile-only topologies (tests/test_tpu_compile.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# No model hub in tests: a Hub id resolves from the (test-built) cache only, never the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from dinfer_jax.config import preset  # noqa: E402
 
