@@ -61,6 +61,16 @@ class InProcessServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
+    def wait_ready(self, timeout: float = 1800.0):
+        """Block until /health answers 200 (`--warmup` compiles first)."""
+        import httpx
+        t = time.time()
+        while httpx.get(f"{self.url}/health", timeout=60).status_code != 200:
+            if time.time() - t > timeout:
+                raise RuntimeError("the server did not become ready")
+            time.sleep(0.5)
+        return time.time() - t
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -202,7 +212,7 @@ def run(rate=40.0, duration=20.0, drain=60.0, mix=(16, 32, 64), schedulers=("sta
 
 
 def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 64),
-               schedulers=("static", "continuous"), max_batch=16, seed=0):
+               schedulers=("static", "continuous"), max_batch=16, seed=0, segment=None, cache=None):
     """Closed-loop table: one in-process server per scheduler, every concurrency level in turn."""
     from dinfer_jax import load_model
     from dinfer_jax import tasks as T
@@ -213,14 +223,16 @@ def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 6
     model, tok = load_model(DEMO_MODEL_DIR), load_tokenizer(DEMO_MODEL_DIR)
     prompts = [p["prompt"] for p in T.sample(256, seed=seed)]
     out = {"mode": "closed", "duration": duration, "max_tokens_mix": list(mix), "max_batch": max_batch,
-           "levels": list(levels), "rows": []}
+           "levels": list(levels), "segment": segment, "cache": cache, "rows": []}
     for sched in schedulers:
         kw = dict(model_name="demo", max_batch=max_batch, max_queue=100000, scheduler=sched,
-                  default_params=SamplingParams(block_length=16),
+                  default_params=SamplingParams(block_length=16, **({"cache": cache} if cache else {})),
+                  **({"segment": segment} if segment else {}),
                   # as `serve --warmup --warmup-max-tokens <mix>`: every batch bucket compiled first
                   warmup=True, warmup_max_tokens=tuple(sorted(set(mix))),
                   warmup_prompt_len=max(len(tok.encode(p)) for p in prompts))
         with InProcessServer(model, tok, ServerConfig(**kw)) as srv:
+            print(f"{sched}: warmup {srv.wait_ready():.0f} s", flush=True)
             for c in levels:
                 rec, t0, t_end = asyncio.run(_closed(srv.url, prompts, c, duration, drain, list(mix), seed))
                 s = summarize(rec, t0, t_end)
@@ -282,6 +294,7 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--segment", type=int, default=None, help="continuous scheduler: iterations per segment")
     ap.add_argument("--schedulers", default="static,continuous")
+    ap.add_argument("--cache", default=None, help="the server's default cache (default: the demo's dual)")
     ap.add_argument("--concurrency", default=None,
                     help="closed loop instead of Poisson arrivals: comma-separated client counts, e.g. 1,8,64,200")
     ap.add_argument("--seed", type=int, default=0)
@@ -291,7 +304,7 @@ def main(argv=None):
     mix = [int(x) for x in a.max_tokens.split(",")]
     if a.concurrency:
         out = run_closed([int(x) for x in a.concurrency.split(",")], a.duration, a.drain, mix,
-                         a.schedulers.split(","), a.max_batch, a.seed)
+                         a.schedulers.split(","), a.max_batch, a.seed, a.segment, a.cache)
         out["command"] = "python bench/serve_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
         if a.json:
             with open(a.json, "w") as f:
