@@ -1,7 +1,7 @@
 """The `dinfer-jax` command line.
 
   dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32] [--quantize int8|fp8] [--overwrite]
-  dinfer-jax export DIR HF_DIR [--overwrite]
+  dinfer-jax export DIR HF_DIR [--max-shard-size 5GB] [--overwrite]
       (both write a temporary sibling folder and rename it into place when complete)
   dinfer-jax info MODEL_DIR
   dinfer-jax logits --model DIR --prompt-ids 1,2,3 [--json]
@@ -59,10 +59,19 @@ def cmd_convert(a):
     print(f"wrote {len(out)} parameters to {a.dst} in {time.perf_counter() - t:.1f}s")
 
 
+def _shard_size(text):
+    from converters.safetensors_io import parse_size
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def cmd_export(a):
     from converters import export
-    export(a.src, a.dst, progress=not a.quiet, overwrite=a.overwrite)
-    print(f"exported {a.src} to {a.dst}")
+    files = export(a.src, a.dst, progress=not a.quiet, overwrite=a.overwrite, max_shard_size=a.max_shard_size)
+    print(f"exported {a.src} to {a.dst} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})")
 
 
 def cmd_info(a):
@@ -674,6 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dst")
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty HF_DIR whole")
+    e.add_argument("--max-shard-size", type=_shard_size, default="5GB", metavar="SIZE",
+                   help="largest safetensors shard, as transformers' save_pretrained: bytes or 500MB / 5GB / "
+                        "2GiB (default 5GB); one model.safetensors when everything fits, else "
+                        "model-0000i-of-0000N.safetensors + model.safetensors.index.json")
     e.set_defaults(fn=cmd_export)
     i = sub.add_parser("info", help="print the config of a model folder")
     i.add_argument("model")
