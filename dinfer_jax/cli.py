@@ -646,7 +646,9 @@ def cmd_profile(a):
         print(f"traced {a.repeats} generation(s) ({r.nfe[0]} forwards, {r.seconds:.3f}s each) into {a.logdir}")
         for f in out["trace_files"]:
             print(f"  {f}")
-        print(f"open it with: xprof --logdir {a.logdir}   (pip install xprof)")
+        print(f"view it with: tensorboard --logdir {a.logdir} --host 127.0.0.1 --port 6006   "
+              f"(pip install tensorboard xprof; docs/profiling.md)")
+        print(f"top ops by self time: python bench/profile_top_ops.py {a.logdir}   (from a checkout)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -661,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
   dinfer-jax generate --model ckpt/ --prompt-ids 1,2,3 --show-canvas      # watch the masks resolve
   dinfer-jax serve --model ckpt/ --port 8000                # OpenAI-compatible server
   dinfer-jax bench --model ckpt/ --batch 1,4,16 --strategies threshold,credit
-  dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # then: xprof --logdir /tmp/prof
+  dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # docs/profiling.md: viewing, top ops
   dinfer-jax eval demo                                      # accuracy / tokens per forward table
   dinfer-jax plan --preset llada2-mini --topology v5e:2x2 --mesh expert=4   # compile for TPU, no TPU needed
 
@@ -778,7 +780,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--json", action="store_true", help="print the rows as JSON")
     _add_scale_flags(bn)
     bn.set_defaults(fn=cmd_bench)
-    pf = sub.add_parser("profile", help="XProf trace of a generation (open with: xprof --logdir DIR)")
+    pf = sub.add_parser("profile", help="XProf trace of a generation (view: tensorboard --logdir DIR --host "
+                                          "127.0.0.1 with xprof installed; docs/profiling.md)")
     _add_model_and_prompt_flags(pf)
     pf.add_argument("--logdir", required=True, help="where the trace goes (plugins/profile/<run>/*.xplane.pb)")
     pf.add_argument("--repeats", type=_positive, default=1, help="traced generations (after one untraced warm-up)")
