@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from converters.hf_import import iter_params, open_checkpoint
 from converters.mappings import fused_groups, table
-from converters.safetensors_io import write_file
+from converters.safetensors_io import parse_size, plan_shards, shard_file_names, write_file
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.config import to_hf_dict
@@ -68,10 +68,18 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
     return {p: s["shape"] for p, s in writer.specs.items()}
 
 
-def export(src: str, dst: str, progress: bool = True, overwrite: bool = False):
-    """dinfer-jax checkpoint -> HF folder (per-expert names; one safetensors shard per parameter),
-    written atomically. Tensors keep their stored dtype, so HF -> dinfer-jax -> HF is bit-exact.
+def export(src: str, dst: str, progress: bool = True, overwrite: bool = False,
+           max_shard_size: int | str = "5GB") -> list[str]:
+    """dinfer-jax checkpoint -> HF folder (per-expert names), written atomically. Tensors keep their
+    stored dtype, so HF -> dinfer-jax -> HF is bit-exact.
+
+    Sharded as transformers' save_pretrained does: shards of at most `max_shard_size` (bytes, or a
+    string such as "500MB" / "5GB" / "2GiB", see safetensors_io.parse_size; a larger tensor gets a
+    shard of its own), `model-00001-of-0000N.safetensors` + `model.safetensors.index.json`, or one
+    `model.safetensors` without an index when everything fits. Streamed: host memory holds one
+    layer slab per param being written. Returns the weight file names.
     """
+    max_bytes = parse_size(max_shard_size)
     src = ckpt.check_model_folder(src, "checkpoint folder")
     if not ckpt.is_checkpoint(src):
         raise FileNotFoundError(f"{src}: not a dinfer-jax checkpoint (no {ckpt.MANIFEST})")
@@ -84,45 +92,81 @@ def export(src: str, dst: str, progress: bool = True, overwrite: bool = False):
         raise ValueError(f"{src}: a quantized checkpoint cannot be exported to Hugging Face format; export the "
                          f"unquantized checkpoint")
     with atomic_folder(dst, overwrite) as tmp:
-        _export_into(src, tmp, cfg, man, progress)
+        return _export_into(src, tmp, cfg, man, progress, max_bytes)
 
 
-def _export_into(src: str, dst: str, cfg, man: dict, progress: bool):
+class _HFTensors:
+    """The HF tensors of a checkpoint: `specs` {name: (dtype, shape)} in table order (a param's
+    layers in order), `read(name)` reading one layer slab per param at a time, `release(name)`
+    after a tensor is written (a param's slab is dropped once all its tensors are)."""
+
+    def __init__(self, src: str, cfg, man: dict):
+        self.src, self.specs, self.where, self.left, self.slabs = src, {}, {}, {}, {}
+        for gi, group in enumerate(fused_groups(table(cfg))):
+            parts = [(entry, dict((name, idx) for idx, name in entry.pieces(cfg)),
+                      man["params"][entry.path]["layers"] is not None) for entry in group]
+            first = man["params"][group[0].path]
+            dt, piece = np.dtype(first["dtype"]), tuple(first["shape"])[len(group[0].stack):]
+            for name in parts[0][1]:
+                self.specs[name] = (dt, group[0].hf_shape(piece))
+                self.where[name] = (gi, parts)
+            self.left[gi] = len(parts[0][1])
+
+    def read(self, name: str) -> np.ndarray:
+        gi, parts = self.where[name]
+        out = []
+        for entry, pieces, layered in parts:  # a fused tensor: its row ranges in order
+            idx = pieces[name]
+            layer = idx[0] if layered else None
+            slab = self.slabs.get(entry.path)
+            if slab is None or slab[0] != layer:
+                slab = self.slabs[entry.path] = None  # the old slab goes before the new one is read
+                with sigint_deferred():  # not inside orbax's threaded restore
+                    slab = self.slabs[entry.path] = (layer, ckpt.read_slab(self.src, entry.path, layer))
+            out.append(entry.to_hf(slab[1][idx[1:] if layered else idx]))
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+    def release(self, name: str):
+        gi, parts = self.where[name]
+        self.left[gi] -= 1
+        if not self.left[gi]:
+            for entry, _, _ in parts:
+                self.slabs.pop(entry.path, None)
+
+    def nbytes(self, name: str) -> int:
+        dt, shape = self.specs[name]
+        return int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+
+
+def _export_into(src: str, dst: str, cfg, man: dict, progress: bool, max_bytes: int) -> list[str]:
     with open(os.path.join(src, "config.json")) as f:
         hf_config = json.load(f)
     if hf_config.get("architectures", [None])[0] == "FusedLLaDAMoEModelLM":
         hf_config = {**hf_config, "architectures": to_hf_dict(cfg)["architectures"]}
         hf_config.pop("auto_map", None)
-    groups = fused_groups(table(cfg))
-    n = len(groups)
+    tensors = _HFTensors(src, cfg, man)
+    shards = plan_shards([(name, tensors.nbytes(name)) for name in tensors.specs], max_bytes)
+    files = shard_file_names(len(shards))
+    bar = tqdm(total=len(tensors.specs), desc="export", unit="tensor", disable=not progress)
+
+    def produce(name):
+        arr = tensors.read(name)
+        tensors.release(name)
+        bar.update()
+        return arr
+
     weight_map = {}
-    for i, group in enumerate(tqdm(groups, desc="export", disable=not progress)):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        parts = []  # per entry of the group: (entry, {name: index}, layered, slab cache)
-        for entry in group:
-            spec = man["params"][entry.path]
-            parts.append((entry, {name: idx for idx, name in entry.pieces(cfg)}, spec["layers"] is not None,
-                          {"layer": None, "arr": None}))
-        first = man["params"][group[0].path]
-        dt, piece = np.dtype(first["dtype"]), tuple(first["shape"])[len(group[0].stack):]
-        specs = {name: (dt, group[0].hf_shape(piece)) for name in parts[0][1]}
-
-        def produce(name, parts=parts):
-            out = []
-            for entry, pieces, layered, slab in parts:  # a fused tensor: its row ranges in order
-                idx = pieces[name]
-                layer = idx[0] if layered else None
-                if slab["arr"] is None or slab["layer"] != layer:  # names sort by layer: one slab at a time
-                    with sigint_deferred():  # not inside orbax's threaded restore
-                        slab["layer"], slab["arr"] = layer, ckpt.read_slab(src, entry.path, layer)
-                out.append(entry.to_hf(slab["arr"][idx[1:] if layered else idx]))
-            return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
-
-        write_file(os.path.join(dst, fname), produce, metadata={"format": "pt"}, specs=specs)
-        weight_map.update({name: fname for name in parts[0][1]})
-    total = sum(int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for s in man["params"].values())
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    for fname, names in zip(files, shards):  # one shard file at a time, each tensor streamed into it
+        write_file(os.path.join(dst, fname), produce, metadata={"format": "pt"},
+                   specs={name: tensors.specs[name] for name in names}, sort=False)
+        weight_map.update(dict.fromkeys(names, fname))
+    bar.close()
+    if len(files) > 1:
+        total = sum(tensors.nbytes(name) for name in weight_map)
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
+                      indent=1)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     ckpt.copy_side_files(src, dst)
+    return files

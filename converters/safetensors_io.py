@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -82,20 +83,70 @@ def read_tensor(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`, read as transformers' convert_file_size_to_int does: an int is bytes; a string
+    is an integer with a unit, KiB / MiB / GiB (powers of 2) or KB / MB / GB (powers of 10; a
+    trailing lowercase "b" means bits, "5Gb" = 5e9 / 8 bytes); digits alone (a CLI argument) are
+    bytes. Raises ValueError naming the value when it is not one of these or not positive."""
+    if isinstance(size, str) and size.strip().isdigit():
+        n = int(size)
+    elif isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"(\d+)\s*([KMG])(I?)(B)", str(size).strip(), re.IGNORECASE)
+        if m is None:
+            raise ValueError(f"size {size!r} is not an integer (bytes) or an integer followed by KB / MB / GB / "
+                             f"KiB / MiB / GiB, e.g. '5GB'")
+        digits, unit, binary, b = m.groups()
+        power = "KMG".index(unit.upper()) + 1
+        n = int(digits) * (2 ** (10 * power) if binary else 10 ** (3 * power))
+        if not binary and b == "b":
+            n //= 8
+    if n <= 0:
+        raise ValueError(f"size {size!r} must be positive")
+    return n
+
+
+def plan_shards(sizes: "list[tuple[str, int]]", max_size: int) -> list[list[str]]:
+    """Names grouped into shards as huggingface_hub's split_state_dict_into_shards does: in order,
+    a shard is closed when the next tensor would take it past `max_size`; a tensor larger than
+    `max_size` gets a shard of its own (placed before the shard being filled)."""
+    shards, current, current_size = [], [], 0
+    for name, nbytes in sizes:
+        if nbytes > max_size:
+            shards.append([name])
+            continue
+        if current_size + nbytes > max_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(n: int) -> list[str]:
+    """`model.safetensors` for one shard, else `model-00001-of-0000N.safetensors` ... (transformers' names)."""
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
 def write_file(path: str, tensors: "dict[str, np.ndarray] | list[tuple[str, callable]]",
-               metadata: dict | None = None, specs: dict | None = None):
+               metadata: dict | None = None, specs: dict | None = None, sort: bool = True):
     """Write a .safetensors file.
 
     `tensors` is either {name: array} or, for streaming, `specs` {name: (dtype, shape)} with
-    `tensors` a callable name -> array producing each tensor when it is written.
+    `tensors` a callable name -> array producing each tensor when it is written. The data is laid
+    out in sorted name order, or in `specs`' order with sort=False (the order `tensors` is called).
     """
     if specs is None:
         specs = {k: (v.dtype, v.shape) for k, v in tensors.items()}
         produce = tensors.__getitem__
     else:
         produce = tensors
+    order = sorted(specs) if sort else list(specs)
     header, off = {}, 0
-    for k in sorted(specs):
+    for k in order:
         dt, shape = np.dtype(specs[k][0]), tuple(specs[k][1])
         nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         header[k] = {"dtype": _NAMES[dt], "shape": list(shape), "data_offsets": [off, off + nb]}
@@ -107,7 +158,7 @@ def write_file(path: str, tensors: "dict[str, np.ndarray] | list[tuple[str, call
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for k in sorted(specs):
+        for k in order:
             arr = np.ascontiguousarray(produce(k))
             dt, shape = np.dtype(specs[k][0]), tuple(specs[k][1])
             if arr.dtype != dt or arr.shape != shape:

@@ -1,7 +1,7 @@
 """The `dinfer-jax` command line.
 
   dinfer-jax convert SRC_HF_DIR DST_DIR [--dtype bfloat16|float16|float32] [--quantize int8|fp8] [--overwrite]
-  dinfer-jax export DIR HF_DIR [--overwrite]
+  dinfer-jax export DIR HF_DIR [--max-shard-size 5GB] [--overwrite]
       (both write a temporary sibling folder and rename it into place when complete)
   dinfer-jax info MODEL_DIR
   dinfer-jax logits --model DIR --prompt-ids 1,2,3 [--json]
@@ -66,10 +66,19 @@ def cmd_convert(a):
     print(f"wrote {len(out)} parameters to {a.dst} in {time.perf_counter() - t:.1f}s")
 
 
+def _shard_size(text):
+    from converters.safetensors_io import parse_size
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def cmd_export(a):
     from converters import export
-    export(a.src, a.dst, progress=not a.quiet, overwrite=a.overwrite)
-    print(f"exported {a.src} to {a.dst}")
+    files = export(a.src, a.dst, progress=not a.quiet, overwrite=a.overwrite, max_shard_size=a.max_shard_size)
+    print(f"exported {a.src} to {a.dst} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})")
 
 
 def cmd_info(a):
@@ -857,7 +866,9 @@ def cmd_profile(a):
         print(f"traced {a.repeats} generation(s) ({r.nfe[0]} forwards, {r.seconds:.3f}s each) into {a.logdir}")
         for f in out["trace_files"]:
             print(f"  {f}")
-        print(f"open it with: xprof --logdir {a.logdir}   (pip install xprof)")
+        print(f"view it with: tensorboard --logdir {a.logdir} --host 127.0.0.1 --port 6006   "
+              f"(pip install tensorboard xprof; docs/profiling.md)")
+        print(f"top ops by self time: python bench/profile_top_ops.py {a.logdir}   (from a checkout)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -874,7 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
   dinfer-jax chat --model ckpt/                             # interactive, answers streamed
   dinfer-jax serve --model ckpt/ --port 8000                # OpenAI-compatible server
   dinfer-jax bench --model ckpt/ --batch 1,4,16 --strategies threshold,credit
-  dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # then: xprof --logdir /tmp/prof
+  dinfer-jax profile --model ckpt/ --prompt "Hi" --logdir /tmp/prof    # docs/profiling.md: viewing, top ops
   dinfer-jax eval demo                                      # accuracy / tokens per forward table
   dinfer-jax plan --preset llada2-mini --topology v5e:2x2 --mesh expert=4   # compile for TPU, no TPU needed
 
@@ -896,6 +907,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dst")
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty HF_DIR whole")
+    e.add_argument("--max-shard-size", type=_shard_size, default="5GB", metavar="SIZE",
+                   help="largest safetensors shard, as transformers' save_pretrained: bytes or 500MB / 5GB / "
+                        "2GiB (default 5GB); one model.safetensors when everything fits, else "
+                        "model-0000i-of-0000N.safetensors + model.safetensors.index.json")
     e.set_defaults(fn=cmd_export)
     i = sub.add_parser("info", help="print the config of a model folder")
     i.add_argument("model", help="a model folder, or 'demo' / 'demo-block' (the built-in demo models)")
@@ -1008,7 +1023,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--json", action="store_true", help="print the rows as JSON")
     _add_scale_flags(bn)
     bn.set_defaults(fn=cmd_bench)
-    pf = sub.add_parser("profile", help="XProf trace of a generation (open with: xprof --logdir DIR)")
+    pf = sub.add_parser("profile", help="XProf trace of a generation (view: tensorboard --logdir DIR --host "
+                                          "127.0.0.1 with xprof installed; docs/profiling.md)")
     _add_model_and_prompt_flags(pf)
     pf.add_argument("--logdir", required=True, help="where the trace goes (plugins/profile/<run>/*.xplane.pb)")
     pf.add_argument("--repeats", type=_positive, default=1, help="traced generations (after one untraced warm-up)")

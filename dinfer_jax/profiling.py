@@ -4,8 +4,9 @@ The program is compiled and run once before tracing (so the trace shows steady-s
 not compilation), then `repeats` generations run inside `jax.profiler.trace(DIR)`. Named regions:
   host:   dinfer_profile (the traced span), dinfer_generate (one per generation call)
   device: denoise_loop, forward_full, forward_window, strategy, attention_core, layers (jax
-          named scopes inside the jitted loop; they appear in the XLA op names)
-Open it with `xprof --logdir DIR` (pip install xprof) or TensorBoard's profile plugin.
+          named scopes inside the jitted loop: in the HLO ops' metadata; on CPU only there, on
+          TPU / GPU also XProf's "Framework Name Scope" trace line)
+Viewing it, and the top ops by self time (bench/profile_top_ops.py): docs/profiling.md.
 """
 from __future__ import annotations
 

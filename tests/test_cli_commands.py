@@ -44,7 +44,8 @@ def test_bench_json(ckpt):
 def test_profile_writes_trace(ckpt, tmp_path):
     r = run(["profile", "--model", ckpt, "--prompt-ids", "1,2,3", "--logdir", str(tmp_path / "tb")] + GEN)
     assert r.returncode == 0, r.stderr
-    assert "xprof --logdir" in r.stdout
+    assert f"tensorboard --logdir {tmp_path / 'tb'} --host 127.0.0.1" in r.stdout
+    assert f"bench/profile_top_ops.py {tmp_path / 'tb'}" in r.stdout
     found = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "tb") for f in fs if f.endswith(".xplane.pb")]
     assert found and b"denoise_loop" in open(found[0], "rb").read()
 

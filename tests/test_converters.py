@@ -48,15 +48,20 @@ def test_fused_and_unfused_layouts_identical(tmp_path, moe_ref, moe_params):
     _same_params(load_hf_params(str(tmp_path))[1], moe_params)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_round_trip_bit_exact(tmp_path, moe_ref, dtype):
+@pytest.mark.parametrize("dtype,max_shard_size", [(torch.bfloat16, "5GB"), (torch.float16, "20KB"),
+                                                  (torch.float32, "5GB")])
+def test_round_trip_bit_exact(tmp_path, moe_ref, dtype, max_shard_size):
+    """HF -> checkpoint -> HF is bit-exact, exported as one file or in shards; and HF -> checkpoint
+    -> HF -> checkpoint gives the first checkpoint's params."""
     from safetensors.numpy import load_file as np_load  # independent reader (not ours)
+    from dinfer_jax import checkpoint as ckpt
     cfg, _, sd = moe_ref
     src, mid, back = (str(tmp_path / n) for n in ("src", "mid", "back"))
     write_hf_folder(src, cfg, sd, shards=2, dtype=dtype)
     (tmp_path / "src" / "tokenizer.json").write_text('{"fake": true}')
     convert(src, mid, progress=False)
-    export(mid, back, progress=False)
+    files = export(mid, back, progress=False, max_shard_size=max_shard_size)
+    assert (len(files) > 1) == (max_shard_size == "20KB")
     want = {k: v.to(dtype).contiguous() for k, v in sd.items()}
     got = {}
     for f in os.listdir(back):
@@ -71,8 +76,108 @@ def test_round_trip_bit_exact(tmp_path, moe_ref, dtype):
         assert got[k].dtype == dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
     assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(src, "config.json")))
     assert os.path.isfile(os.path.join(back, "tokenizer.json")) and os.path.isfile(os.path.join(mid, "tokenizer.json"))
-    idx = json.load(open(os.path.join(back, "model.safetensors.index.json")))
-    assert set(idx["weight_map"]) == set(want)
+    if len(files) > 1:
+        idx = json.load(open(os.path.join(back, "model.safetensors.index.json")))
+        assert set(idx["weight_map"]) == set(want) and set(idx["weight_map"].values()) == set(files)
+    else:
+        assert files == ["model.safetensors"] and not os.path.exists(os.path.join(back, "model.safetensors.index.json"))
+    again = str(tmp_path / "again")
+    convert(back, again, progress=False)
+    a, b = ckpt.read_params(mid), ckpt.read_params(again)
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+
+
+# ---------------------------------------------------------------------------- export shards
+
+
+def test_parse_size_matches_transformers():
+    from transformers.utils.hub import convert_file_size_to_int
+    from converters.safetensors_io import parse_size
+    for size in ["5GB", "500MB", "2GiB", "3MiB", "1KiB", "10KB", "5Gb", "80mb", "7kb", 12345]:
+        assert parse_size(size) == convert_file_size_to_int(size), size
+    assert parse_size("12345") == 12345  # digits alone (a CLI argument): bytes
+    for bad in ["5XB", "1.5GB", "GB", "", "0", "0MB", -3, "-1GB"]:
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+
+
+def _header_order(path):
+    """(name, nbytes) of a safetensors file in data order."""
+    import struct
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return [(k, v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])]
+
+
+def test_export_shards_by_size(tmp_path):
+    """The demo model exports to one model.safetensors; with a small --max-shard-size to shards
+    split as huggingface_hub splits them, whose index lists every tensor once with the right
+    total_size; convert reads them back to the same params, bit for bit."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from safetensors.numpy import load_file as np_load
+    from dinfer_jax import checkpoint as ckpt
+    from dinfer_jax.checkpoint import DEMO_MODEL_DIR
+    from dinfer_jax.cli import main
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert main(["export", DEMO_MODEL_DIR, str(one), "--quiet"]) in (0, None)
+    assert sorted(f for f in os.listdir(one) if "safetensors" in f) == ["model.safetensors"]
+    want = np_load(str(one / "model.safetensors"))
+    order = _header_order(str(one / "model.safetensors"))  # the order tensors are written in
+    limit = 100_000
+    assert main(["export", DEMO_MODEL_DIR, str(many), "--quiet", "--max-shard-size", "100KB"]) in (0, None)
+    index = json.load(open(many / "model.safetensors.index.json"))
+    wm = index["weight_map"]
+    files = sorted(f for f in os.listdir(many) if f.endswith(".safetensors"))
+    n = len(files)
+    assert n > 2 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(wm) == sorted(want) and set(wm.values()) == set(files)
+    got, seen = {}, []
+    for f in files:
+        part = np_load(str(many / f))
+        assert all(wm[k] == f for k in part), f  # a tensor is in the file the index names, and only there
+        seen += list(part)
+        got.update(part)
+        nbytes = sum(v.nbytes for v in part.values())
+        assert nbytes <= limit or len(part) == 1, (f, nbytes)
+    assert sorted(seen) == sorted(want)  # every tensor exactly once
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in want.values())
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
+    hub = split_state_dict_into_shards_factory(dict(order), get_storage_size=lambda nb: nb, max_shard_size=limit,
+                                               filename_pattern="model{suffix}.safetensors")
+    assert {f: sorted(ks) for f, ks in hub.filename_to_tensors.items()} == {
+        f: sorted(k for k in wm if wm[k] == f) for f in files}
+    assert hub.metadata["total_size"] == index["metadata"]["total_size"]
+    back = tmp_path / "ck"
+    convert(str(many), str(back), progress=False)
+    a, b = ckpt.read_params(DEMO_MODEL_DIR), ckpt.read_params(str(back))
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+
+
+def test_transformers_loads_sharded_export(tmp_path, moe_ref, moe_hf_dir):
+    """transformers' from_pretrained reads a sharded export (index + shards) into Qwen3MoeForCausalLM:
+    nothing missing or unexpected, every weight equal to the reference model's."""
+    cfg, ref, _ = moe_ref
+    from transformers import Qwen3MoeForCausalLM
+    convert(moe_hf_dir, str(tmp_path / "ck"), progress=False)
+    files = export(str(tmp_path / "ck"), str(tmp_path / "hf"), progress=False, max_shard_size="20KB")
+    assert len(files) > 2
+    model, info = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), config=ref.config,
+                                                      output_loading_info=True)
+    assert not any(info.values()), info
+    a, b = ref.state_dict(), model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 def test_dense_round_trip_and_checkpoint_logits(tmp_path, dense_hf_dir, dense_model, rng):

@@ -12,5 +12,6 @@ def test_demo_round_trip(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "logits identical = True" in r.stdout
-    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()  # 140k params: one file, no index
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert (tmp_path / "converted" / "dinfer_jax.json").is_file()

@@ -44,3 +44,16 @@ def test_generate_runs_without_the_extras():
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["text"] == "0168" and out["tokens_per_s"] > 0
+
+
+def test_test_install_takes_torch_cpu_build_first():
+    """README's test install and .ci/run install torch from torch's CPU index before the test extra
+    (whose plain `torch` would take PyPI's CUDA build), and .ci/run refuses a CUDA build."""
+    index = "https://download.pytorch.org/whl/cpu"
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    line = next(ln for ln in readme.splitlines() if "pip install -e '.[test]'" in ln and "pytest" in ln)
+    assert line.index(f"pip install torch --index-url {index} &&") < line.index("pip install -e '.[test]'"), line
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert f"TORCH_CPU_INDEX={index}\n" in ci
+    first_torch = ci.index('pip install -q torch --index-url "$TORCH_CPU_INDEX"')
+    assert first_torch < ci.index("torch.version.cuda") < ci.index("pip install -q -e '.[test,tpu]'")
