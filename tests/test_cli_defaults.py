@@ -74,7 +74,7 @@ def test_every_command_with_its_defaults(tmp_path, monkeypatch):
     rows = json.loads(ok("bench", "--prompt-len", "8", "--repeats", "1", "--json"))
     assert [(r["batch"], r["strategy"], r["cache"]) for r in rows] == [(1, "threshold", "dual")]
     logdir = tmp_path / "prof"
-    assert "xprof --logdir" in ok("profile", "--prompt", "add 123+045=", "--logdir", str(logdir))
+    assert "--logdir" in ok("profile", "--prompt", "add 123+045=", "--logdir", str(logdir))
     assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(logdir) for f in fs)
 
     # eval demo: the default strategy x cache grid of both demo models, each setting checked against its
