@@ -37,6 +37,8 @@ import tempfile
 import time
 import warnings
 
+from dinfer_jax.engine import ids_until_stop
+
 DTYPES = ("bfloat16", "float16", "float32")
 MODEL_HELP = ("dinfer-jax checkpoint or HF folder, or 'demo' / 'demo-block' (the built-in demo models; "
               "default: demo)")
@@ -413,17 +415,6 @@ def _generate_prompts_file(a):
               f"{time.perf_counter() - t0:.2f}s incl. compile]", file=sys.stderr)
 
 
-def _until_stop(gen_G, stops, mask_id) -> list[int]:
-    """A generation region -> its ids before the first stop id or undecoded (mask) position."""
-    out = []
-    for t in gen_G:
-        t = int(t)
-        if t == mask_id or t in stops:
-            break
-        out.append(t)
-    return out
-
-
 class _AnswerStream:
     """Writes one answer to `out` as its blocks commit: the engine's observer (fn(step, gen_BG,
     blk_B, done_B, active_B), as the server's streaming), then `finish(ids)` with the final ids."""
@@ -437,8 +428,8 @@ class _AnswerStream:
         if finished > self.blocks:
             self.blocks = finished
             # a trailing U+FFFD is half a character whose other bytes are in the next block
-            self._write(self.decode(_until_stop(gen_BG[0, :finished * self.bl], self.stops, self.mask_id))
-                        .rstrip("\ufffd"))
+            ids, _ = ids_until_stop(gen_BG[0, :finished * self.bl], self.stops, self.mask_id)
+            self._write(self.decode(ids).rstrip("\ufffd"))
 
     def _write(self, text: str) -> bool:
         if not text.startswith(self.sent):
@@ -525,7 +516,7 @@ def cmd_chat(a):
         except ValueError as e:  # this message only: the conversation goes on
             print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr, flush=True)
             continue
-        answer = out.finish(_until_stop(r.raw_ids[0], stops, cfg.mask_token_id))
+        answer = out.finish(ids_until_stop(r.raw_ids[0], stops, cfg.mask_token_id)[0])
         history += [user, {"role": "assistant", "content": answer}]
         if interactive:
             print(f"[{r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s]", file=sys.stderr)

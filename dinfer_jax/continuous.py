@@ -312,9 +312,8 @@ class ContinuousBatcher(Batcher):
             early = []
             for b, j in watched:
                 n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
-                if j.events is not None:
-                    self._emit_blocks(j, gen[b], n_blocks, bl)
-                if self._stopped_early(j, gen[b], n_blocks, bl):
+                if self._emit_blocks(j, gen[b], n_blocks, bl) if j.events is not None else \
+                        self._stopped_early(j, gen[b], n_blocks, bl):
                     early.append(b)
             if early:
                 rows = rb.finish(early)

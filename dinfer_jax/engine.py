@@ -672,6 +672,20 @@ def _warn_family_conflict(cfg, p: SamplingParams):
         warnings.warn(msg, FamilyWarning, stacklevel=3)
 
 
+def ids_until_stop(gen_G, stop_ids, mask_id: int) -> tuple[list[int], bool]:
+    """A generation region -> (its ids before the first stop id or undecoded (mask) position,
+    whether a stop id ended them)."""
+    out = []
+    for t in gen_G:
+        t = int(t)
+        if t == mask_id:
+            return out, False
+        if t in stop_ids:
+            return out, True
+        out.append(t)
+    return out, False
+
+
 def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:
     """One row's generation region -> (ids cut before the first stop id unless ignore_eos, tokens
     per forward: its non-EOS, non-mask tokens / nfe)."""

@@ -46,7 +46,7 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, SamplingParams
+from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, SamplingParams, ids_until_stop
 from dinfer_jax.stop_strings import check_stop, find_stop, held_back, ids_through
 
 log = logging.getLogger("dinfer_jax.server")
@@ -563,15 +563,7 @@ class Batcher:
         """The ids before the first stop id (any id with ignore_eos), and whether one was met. The
         mask id is never an answer: the ids end before a position the decoder left masked (it ran
         out of iterations: `undecoded` counts them)."""
-        stops = () if job is not None and job.params.ignore_eos else self.stop_ids
-        out = []
-        for t in ids:
-            if t == self.mask_id:
-                return out, False
-            if t in stops:
-                return out, True
-            out.append(int(t))
-        return out, False
+        return ids_until_stop(ids, () if job is not None and job.params.ignore_eos else self.stop_ids, self.mask_id)
 
     def _answer(self, raw, job: Job) -> dict:
         """A finished row's generation region -> {token_ids, text, finish_reason, undecoded:
@@ -627,32 +619,37 @@ class Batcher:
         with self.cond:
             self.stats["completed"] += len(batch)
 
-    def _emit_blocks(self, job: Job, gen_G, finished: int, bl: int):
+    def _emit_blocks(self, job: Job, gen_G, finished: int, bl: int) -> bool:
         """Stream the blocks `job` has finished since the last call, one event per block (a segment
-        or step that finishes several blocks still sends them one by one)."""
+        or step that finishes several blocks still sends them one by one) -> whether the text sent
+        now reached one of its stop strings."""
         while job.sent_blocks < finished:
             job.sent_blocks += 1
             end = min(job.sent_blocks * bl, job.max_tokens)
             ids, stopped = self._text_until_stop(gen_G[:end], job)
-            self._emit(job, ids)
-            if stopped or len(ids) < end or end == job.max_tokens or \
-                    self._stopped_early(job, gen_G, job.sent_blocks, bl):
+            hit = self._emit(job, ids)
+            if stopped or hit or len(ids) < end or end == job.max_tokens:
                 job.sent_blocks = finished
-                return
+                return hit
+        return False
 
-    def _emit(self, job: Job, ids: list[int], final: bool = False):
+    def _emit(self, job: Job, ids: list[int], final: bool = False) -> bool:
         """Send the text of `ids` past what was sent; with stop strings, the text before the first
-        one, and (until final) without a tail that may still become one."""
+        one, and (until final) without a tail that may still become one -> whether a stop string
+        was found."""
         text = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))
-        if job.stop:
-            hit = find_stop(text, job.stop)
-            text = text[:hit[0]] if hit else text[:len(text) - (0 if final else held_back(text, job.stop))]
+        hit = find_stop(text, job.stop) if job.stop else None
+        if hit:
+            text = text[:hit[0]]
+        elif job.stop and not final:
+            text = text[:len(text) - held_back(text, job.stop)]
         if len(text) > len(job.sent_text) and text.startswith(job.sent_text):
             delta, job.sent_text = text[len(job.sent_text):], text
             try:
                 job.loop.call_soon_threadsafe(job.events.put_nowait, delta)
             except RuntimeError:  # the request's event loop is closed
                 job.cancelled = True
+        return hit is not None
 
     def _finish(self, job: Job, result=None, exc=None):
         """Answer a job (any scheduler; once: later answers are ignored): its seed is added to the

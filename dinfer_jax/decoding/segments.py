@@ -121,7 +121,7 @@ class RunningBatch:
         self._keys: dict[int, list] = {}
         self.state = None
         self.segments = 0
-        self._ctx = None  # device copies of (pad, plen, knobs): uploaded once per admission, not per segment
+        self._ctx = None  # device copies of (pad, plen, knobs): uploaded by each admission, read by every segment
 
     @property
     def free(self) -> list[int]:
@@ -245,10 +245,7 @@ class RunningBatch:
         return the rows that finished (their slots are freed)."""
         if self.state is None or not self.running:
             return []
-        if self._ctx is None:
-            put = self.gen.model.place_batch
-            self._ctx = (put(self.pad), put(self.plen), {k: put(v) for k, v in self.knobs.items()})
-        pad, plen, knobs = self._ctx
+        pad, plen, knobs = self._ctx  # set by the admission that made self.state
         self.state = self._segment(self.gen.model.params, self.state, pad, plen, knobs, np.int32(max_iters))
         self.segments += 1
         done = np.asarray(jax.device_get(self.state["done"]))
