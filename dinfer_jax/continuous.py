@@ -116,6 +116,15 @@ class ContinuousBatcher(Batcher):
                 self._give_up(waiting, f"compiling this request's program exceeded the server's compile "
                                        f"watchdog bound of {self.cfg.compile_watchdog_s:g}s")
 
+    def close(self, compile_wait_s: float = 120.0):
+        """Stop the scheduler (server.Batcher.close), then wait up to compile_wait_s for a background
+        compile still running: nothing of this server compiles after it is closed."""
+        super().close()
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        with self.cond:
+            running = [f for f in self._compiling.values() if not f.done()]
+        concurrent.futures.wait(running, timeout=compile_wait_s)
+
     def idle(self) -> bool:
         with self.cond:
             return not self.pending and not any(rb.running or rb.waiting for rb in self.batches) and self.busy is None

@@ -16,9 +16,10 @@ import numpy as np
 
 from dinfer_jax import families
 from dinfer_jax.config import ConfigError
+from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import (CACHES, KNOBS, ROW_KNOBS, DecodeSpec, bucket_gen_length, generate_loop,
-                                      joins_program, program_spec, same_program)
+                                      joins_program, program_spec, refresh_rows_for, same_program)
 from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
@@ -348,7 +349,8 @@ class GenerationResult:
     """Per prompt: generated ids (gen region, EOS padding removed), the raw gen region, counters.
 
     nfe: forwards this prompt took part in; tpf: generated non-EOS tokens / nfe.
-    batch_nfe_full / batch_nfe_window: forwards the batch program actually ran, by kind.
+    batch_nfe_full / batch_nfe_window: forwards the batch program actually ran, by kind;
+    batch_nfe_partial: of the full ones, those that ran on a gathered subset of the rows.
     """
     token_ids: list[list[int]]
     raw_ids: np.ndarray
@@ -363,6 +365,7 @@ class GenerationResult:
     deletes: list[int] | None = None  # indel: DELETE tokens written per prompt
     # sub_block_cache: per prompt, how many of its forwards covered only a sub-block (read the block cache)
     sub_block_forwards: list[int] | None = None
+    batch_nfe_partial: int = 0
 
 
 def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
@@ -419,48 +422,54 @@ class ProgramShape:
 class Generator:
     """Compiled-program cache for one model. `compiles` counts traces (tests assert no recompiles)."""
 
-    def __init__(self, model, prefix_cache_bytes: int = 0):
+    def __init__(self, model, prefix_cache_bytes: int = 0, max_programs: int = DEFAULT_MAX_PROGRAMS):
         """prefix_cache_bytes > 0: a prompt prefix cache of that many bytes for block-causal models'
-        continuous batches (decoding/prefix_cache.py; the server sets it)."""
+        continuous batches (decoding/prefix_cache.py; the server sets it). max_programs: compiled
+        programs kept (least recently used dropped first; program_cache.py says why)."""
         from dinfer_jax.decoding.prefix_cache import PrefixCache
         self.model = model
         self.compiles = 0
-        self._programs = {}
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._warm: set = set()  # continuous-batch programs compiled ahead (warm_segment_programs)
+        self._programs = ProgramCache(max_programs, on_evict=self._forget_warm)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+
+    def _forget_warm(self, key):
+        """A dropped segment program is no longer warm (its prefix prefills neither)."""
+        if key[0] == "segments":
+            self._warm = {w for w in self._warm if w[:4] != key}
 
     def _program(self, spec: DecodeSpec, gen_start: int):
-        key = (spec, gen_start)
-        if key not in self._programs:
+        def build():
             module = self.model.module
             if module.cfg.attention_mask == "block_causal":  # the attention block is the decoding block
                 module = module.clone(attention_block=spec.block_length)
 
             def run(params, canvas, pad, plen, active, knobs, observer_id):
                 self.compiles += 1  # runs at trace time only
-                return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs, observer_id)
-            self._programs[key] = jax.jit(run, donate_argnums=(1,))  # outputs keep the canvas sharding
-        return self._programs[key]
+                return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs, observer_id,
+                                     refresh_rows_for(canvas.shape[0], self.model.data_parallel))
+            return jax.jit(run, donate_argnums=(1,))  # outputs keep the canvas sharding
+        return self._programs.get((spec, gen_start), build)
 
     def segment_programs(self, spec: DecodeSpec, gen_start: int, batch: int):
         """Jitted (init, segment, merge) of the continuous-batching loop (decoding/segments.py)."""
-        key = ("segments", spec, gen_start, batch)
-        if key not in self._programs:
+        def build():
             from dinfer_jax.decoding.segments import merge_rows, segment_program
             module = self.model.module
             if module.cfg.attention_mask == "block_causal":
                 module = module.clone(attention_block=spec.block_length)
-            init, segment = segment_program(module, spec, gen_start, gen_start + spec.gen_length + spec.tail_room)
+            init, segment = segment_program(module, spec, gen_start, gen_start + spec.gen_length + spec.tail_room,
+                                            refresh_rows_for(batch, self.model.data_parallel))
 
             def counted(fn):
                 def run(*a):
                     self.compiles += 1  # trace time only
                     return fn(*a)
                 return run
-            self._programs[key] = (jax.jit(counted(init)), jax.jit(counted(segment), donate_argnums=(1,)),
-                                   jax.jit(merge_rows, donate_argnums=(0,)),
-                                   jax.jit(counted(init), static_argnums=(7,)))  # init over cached prompt K/V
-        return self._programs[key]
+            return (jax.jit(counted(init)), jax.jit(counted(segment), donate_argnums=(1,)),
+                    jax.jit(merge_rows, donate_argnums=(0,)),
+                    jax.jit(counted(init), static_argnums=(7,)))  # init over cached prompt K/V
+        return self._programs.get(("segments", spec, gen_start, batch), build)
 
     def segment_programs_ready(self, spec: DecodeSpec, gen_start: int, batch: int, width: int | None = None) -> bool:
         """Whether `warm_segment_programs` compiled this continuous batch's programs (and the prefix
@@ -622,7 +631,7 @@ class Generator:
         subf = [int(v) for v in stats["row_sub"][:n]] if "row_sub" in stats else None
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
-                                edits, ins, dels, subf)
+                                edits, ins, dels, subf, int(stats.get("nfe_partial", 0)))
 
 
 def knob_value(p: SamplingParams, k: str) -> float:

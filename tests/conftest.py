@@ -26,6 +26,22 @@ MOE_CFG = preset("tiny")
 DENSE_CFG = preset("tiny-dense").replace(num_kv_heads=2)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_memory_maps():
+    """Each compiled XLA:CPU program holds hundreds of memory mappings; a worker that compiled
+    hundreds of programs reaches vm.max_map_count and segfaults inside the next compile
+    (dinfer_jax/program_cache.py). Between modules, past 40% of the cap, drop every cached
+    executable (programs still referenced compile again on their next call)."""
+    from dinfer_jax.program_cache import maps_near_limit
+    if maps_near_limit(0.4):
+        import gc
+
+        import jax
+        jax.clear_caches()
+        gc.collect()
+    yield
+
+
 @pytest.fixture(scope="session")
 def moe_ref():
     from hf_reference import llada_moe_state_dict, qwen3_moe_reference

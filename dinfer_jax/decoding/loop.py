@@ -202,11 +202,11 @@ def _soft_embeddings(module, params, logits_BSV):
     return jnp.einsum("bsv,vd->bsd", p, table)
 
 
-STAT_KEYS = ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "done")
+STAT_KEYS = ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "done", "nfe_partial")
 
 
 def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
-                  active_B, knobs: dict[str, Any], observer_id=None):
+                  active_B, knobs: dict[str, Any], observer_id=None, refresh_rows: int = 0):
     """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
 
     canvas_BL: int32 tokens (layout above); pad_B: left pads per row; prompt_len_B: real prompt
@@ -214,9 +214,10 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     active_B: False for bucket-filler rows; knobs: per-row (B,) arrays named in KNOBS.
     observer_id: int32 scalar naming a host observer (decoding/observe.py); used only when
     spec.observe, which adds one host callback per iteration with the generation region.
+    refresh_rows: see loop_functions.
     """
     init, body, stat_keys = loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, canvas_BL.shape[1],
-                                           knobs, observer_id)
+                                           knobs, observer_id, refresh_rows)
 
     def cond(s):
         return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
@@ -235,12 +236,22 @@ def loop_stats(state, stat_keys) -> dict:
     return stats
 
 
+def refresh_rows_for(batch: int, data_parallel: int = 1) -> int:
+    """How many rows the cached loop's partial full refresh gathers (0: none). Rows reach a block
+    start at different steps (continuous batching, threshold decoding); a step where at most this
+    many rows need the full-canvas forward runs it on those rows only. Off on a data-parallel mesh
+    (the gather would cross devices) and below 4 rows (the saving would not pay the extra compile)."""
+    return batch // 2 if batch >= 4 and data_parallel == 1 else 0
+
+
 def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
-                   observer_id=None):
+                   observer_id=None, refresh_rows: int = 0):
     """The loop's pieces -> (init(canvas_BL, active_B) -> state, body(state) -> state, stat keys).
     Row context (pads, prompt lengths, knobs) comes in as arrays, so a paused state can take new rows
     between segments (decoding/segments.py): every per-row quantity lives in the state or is derived
-    from the row context; the body never mixes rows."""
+    from the row context; the body never mixes rows. refresh_rows = R > 0 (cached modes): a step
+    where 1..R rows need the full-canvas forward gathers those rows into an R-row forward
+    (`refresh_rows_for`); more rows run it on all B."""
     if spec.cache == "block":
         from dinfer_jax.decoding.block_loop import block_loop_functions
         return block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, Lc, knobs, observer_id)
@@ -267,7 +278,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             x=canvas_BL, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
             it=jnp.zeros((B,), jnp.int32), done=~active_B, n_entry=jnp.zeros((B,), jnp.int32),
             nfe_full=jnp.zeros((), jnp.int32), nfe_window=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
-            row_nfe=jnp.zeros((B,), jnp.int32),
+            nfe_partial=jnp.zeros((), jnp.int32), row_nfe=jnp.zeros((B,), jnp.int32),
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
         )
         if spec.cache != "none":
@@ -297,31 +308,53 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                                     knobs, **kw)
 
         # ---- full forward (whole canvas)
-        def full(_):
+        def forward_full(rows):
+            """The full-canvas forward of the rows `rows` ((R,) indices; None: all B)."""
+            take = (lambda a: a) if rows is None else (lambda a: None if a is None else jnp.take(a, rows, axis=0))
+            start_R = take(start_B)
             with jax.named_scope("forward_full"):
-                lw = None if spec.smoothing else (start_B - sh, Bk)
-                logits, kv = fwd(tokens=x, soft=soft, positions_BS=positions_BL, key_mask_BL=key_mask_BL,
-                                 logits_window=lw)
+                lw = None if spec.smoothing else (start_R - sh, Bk)
+                logits, kv = _forward(module, params, spec, take(x), take(soft), take(s["it"]),
+                                      jax.tree_util.tree_map(take, knobs), positions_BS=take(positions_BL),
+                                      key_mask_BL=take(key_mask_BL), logits_window=lw)
             if spec.smoothing:
                 soft_new = _soft_embeddings(module, params, logits)
-                logits = window_slice(logits, start_B, Bk)
+                logits = window_slice(logits, start_R, Bk)
             else:
                 soft_new = None
+            return logits, kv, soft_new
+
+        def full(_):
+            logits, kv, soft_new = forward_full(None)
             if spec.cache != "none":  # refreshed rows take the new K/V; the others keep theirs
                 sel = need_full[None, :, None, None, None]
                 kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv, s["kv"]))
+            return logits, kv, soft_new
+
+        def some_full(_):  # at most refresh_rows rows need it: gather them (need_full rows first)
+            rows = jnp.argsort(~need_full, stable=True)[:refresh_rows]
+            take_R = need_full[rows][None, :, None, None, None]
+            logits_R, kv_R, soft_R = forward_full(rows)
+            logits = jnp.zeros((B, Bk, V), jnp.float32).at[rows].set(logits_R.astype(jnp.float32))
+            kv = tuple(c.at[:, rows].set(jnp.where(take_R, a, c[:, rows])) for a, c in zip(kv_R, s["kv"]))
+            soft_new = None if not spec.smoothing else jnp.zeros_like(soft).at[rows].set(soft_R.astype(soft.dtype))
             return logits, kv, soft_new
 
         def no_full(_):
             soft_new = None if not spec.smoothing else jnp.zeros_like(soft)
             return jnp.zeros((B, Bk, V), jnp.float32), s["kv"], soft_new
 
+        new_state = {}
         if spec.cache == "none":  # every active row runs a full forward; the loop only runs with some active
             logits_full, kv_full, soft_full = full(None)
+        elif refresh_rows and refresh_rows < B:
+            n_full = jnp.sum(need_full)
+            branch = jnp.where(n_full == 0, 0, jnp.where(n_full <= refresh_rows, 1, 2))
+            logits_full, kv_full, soft_full = jax.lax.switch(branch, (no_full, some_full, full), None)
+            new_state["nfe_partial"] = s["nfe_partial"] + (branch == 1).astype(jnp.int32)
         else:
             logits_full, kv_full, soft_full = jax.lax.cond(jnp.any(need_full), full, no_full, None)
         logits = logits_full
-        new_state = {}
         if spec.cache != "none":
             kv = kv_full
             new_state["kv"] = kv

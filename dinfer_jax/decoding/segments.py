@@ -47,10 +47,10 @@ def merge_rows(state: dict, fresh: dict, take_B) -> dict:
     return out
 
 
-def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int):
+def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_rows: int = 0):
     """-> (init(params, canvas, pad, plen, active, knobs[, cached_kv, width]) -> state,
            segment(params, state, pad, plen, knobs, max_iters) -> state) as plain functions (jit them;
-    `width` static). With cached_kv (block diffusion only), the prefill computes only the last
+    `width` static; refresh_rows: loop.loop_functions). With cached_kv (block diffusion only), the prefill computes only the last
     `width` prompt positions over the cached prompt K/V (decoding/prefix_cache.py)."""
 
     def init(params, canvas_BL, pad_B, plen_B, active_B, knobs, cached_kv=None, width=None):
@@ -60,7 +60,8 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int):
         return fn(canvas_BL, active_B, prefix=(cached_kv, width))
 
     def segment(params, state, pad_B, plen_B, knobs, max_iters):
-        _, body, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs)
+        _, body, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs,
+                                    refresh_rows=refresh_rows)
         done0 = state["done"]
         bound_B = (spec.row_max_iterations(knobs["gen_length"]) if "gen_length" in knobs
                    else jnp.full(done0.shape, spec.max_iterations, jnp.int32))

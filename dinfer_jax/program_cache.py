@@ -1,0 +1,103 @@
+"""A bounded cache of compiled programs (the Generator's), least recently used dropped first.
+
+Why bounded: a compiled program holds device code for as long as its jitted function is referenced.
+On XLA:CPU every compiled kernel is JIT-linked into its own memory mappings (about 600 mappings
+for one dual-cache program of the 2-layer demo model, measured with /proc/self/maps), and Linux
+caps a process at vm.max_map_count mappings (65530 by default). Past it, LLVM's allocations fail
+("LLVM compilation error: Cannot allocate memory") and the process dies with a segmentation fault
+inside the next compile. A server that meets many (settings, length) buckets, or a test worker
+that compiles hundreds of programs, reaches that cap. So the cache holds at most `max_programs`
+entries and, where the mapping count is readable, drops the oldest entries while the process uses
+more than `map_fraction` of the cap. A dropped program is compiled again when next asked for.
+Thread safe (a server's scheduler and compile threads share one cache).
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+from typing import Any, Callable, Hashable, Optional
+
+DEFAULT_MAX_PROGRAMS = 64
+DEFAULT_MAP_FRACTION = 0.5
+
+
+def memory_map_count() -> Optional[int]:
+    """Memory mappings this process holds now (Linux /proc/self/maps), None where unreadable."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return None
+
+
+def memory_map_limit() -> Optional[int]:
+    """The kernel's cap on a process's memory mappings (vm.max_map_count), None where unreadable."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def maps_near_limit(fraction: float = DEFAULT_MAP_FRACTION) -> bool:
+    """Whether this process holds more than `fraction` of the mappings the kernel allows it."""
+    n, cap = memory_map_count(), memory_map_limit()
+    return n is not None and cap is not None and n > fraction * cap
+
+
+class ProgramCache:
+    """key -> program (jitted functions), LRU with a size bound and a memory-mapping bound (module
+    doc). `on_evict(key)` runs for each dropped key (the Generator forgets what it warmed)."""
+
+    def __init__(self, max_programs: int = DEFAULT_MAX_PROGRAMS, map_fraction: float = DEFAULT_MAP_FRACTION,
+                 on_evict: Optional[Callable[[Hashable], None]] = None):
+        if max_programs < 1:
+            raise ValueError(f"max_programs={max_programs} must be >= 1")
+        self.max_programs, self.map_fraction, self.on_evict = max_programs, map_fraction, on_evict
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.RLock()
+        self.evicted = 0
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The program under key, built (and older ones dropped past the bounds) when missing."""
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            program = build()
+            self._items[key] = program
+            self._trim(keep=key)
+            return program
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._items)
+
+    def clear(self):
+        with self._lock:
+            for key in list(self._items):
+                self._drop(key)
+
+    def _drop(self, key):
+        del self._items[key]
+        self.evicted += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
+
+    def _trim(self, keep):
+        while len(self._items) > self.max_programs:
+            self._drop(next(k for k in self._items if k != keep))
+        if len(self._items) > 1 and maps_near_limit(self.map_fraction):
+            while len(self._items) > 1:
+                self._drop(next(k for k in self._items if k != keep))
+                gc.collect()  # a jitted closure may sit in a reference cycle: free its executable now
+                if not maps_near_limit(self.map_fraction):
+                    break
