@@ -205,18 +205,6 @@ class Job:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
 
 
-THREAD_STACK_BYTES = 64 * MiB
-
-
-def ensure_thread_stack():
-    """Threads started from now on get at least THREAD_STACK_BYTES of stack: the scheduler and
-    compile threads run XLA compiles, whose LLVM passes can recurse deeper than a default 8 MiB
-    thread stack allows (a suspected cause of rare worker crashes inside backend compiles off the
-    main thread: bench/RESULTS.md; unconfirmed)."""
-    if threading.stack_size() < THREAD_STACK_BYTES:
-        threading.stack_size(THREAD_STACK_BYTES)
-
-
 def derive_params(d: SamplingParams, upd: dict, max_tokens: int, model_cfg=None) -> SamplingParams:
     """A request's SamplingParams: the server defaults `d` with the body's fields `upd`; the block
     is at most max_tokens (not with cache "block": there it is the model's attention block),
@@ -290,7 +278,6 @@ class Batcher:
         self._t0 = time.monotonic()
         self._warmup = warmup_params(cfg) if cfg.warmup else None
         self._stop = False
-        ensure_thread_stack()
         self.thread = threading.Thread(target=self._main, name="dinfer-batcher", daemon=True)
         self.thread.start()
         self._watchdog = threading.Thread(target=self._watch, name="dinfer-watchdog", daemon=True)
