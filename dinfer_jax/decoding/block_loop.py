@@ -68,6 +68,10 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   M2T from the same forward.
   A block ends when it has no mask (no editing), or (editing) when a forward on the fully
   unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
+Commit record (loop.commit_record): every M2T / T2T write records its step (and, with logprobs,
+the distribution of `logits` before the sampler's temperature / top-k / top-p); a position edited
+later takes its last write. indel: the step a slot's token last changed (rebuilds shift tokens);
+logprobs are refused with indel.
 Early stop: when a block ends holding EOS in its generated part, or the model's end-of-turn id
 (ModelConfig.eot_token_id, e.g. SDAR's <|im_end|>; not for rows with ignore_eos), the row stops and
 the rest of its generation region is filled with EOS.

@@ -35,6 +35,11 @@ extra left pad, so block start - 1 >= 0 even for aligned blocks that start at a 
 - block (cache="block", decoding/block_loop.py): every window gets one query-only position on the
   left, as dual does.
 Iteration smoothing refuses shifted models.
+
+Commit record (both loops, `commit_record`): per canvas position, the row's iteration that wrote the
+token now there (the step map, always kept), and with DecodeSpec.logprobs its log-probability and
+top-N alternatives under that iteration's logits; returned over the generation region with the
+stats (`record_region`).
 """
 from __future__ import annotations
 

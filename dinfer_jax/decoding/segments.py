@@ -286,6 +286,12 @@ class RunningBatch:
         return (to_host(s["x"])[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s["blk"]),
                 to_host(s["done"]))
 
+    def progress_record(self) -> dict:
+        """Host copies of the running commit record over the generation region (loop.record_region:
+        commit_it (B, G), and with logprobs commit_lp (B, G), top_ids / top_lp (B, G, N))."""
+        from dinfer_jax.engine import to_host
+        return {k: to_host(v) for k, v in record_region(self.state, self.gen_start, self.spec.gen_length).items()}
+
     def _read(self, rows: list[int]) -> list[RowResult]:
         from dinfer_jax.engine import row_output, row_record, to_host
         spec, cfg = self.spec, self.cfg
