@@ -192,7 +192,7 @@ def test_completion_logprobs_and_step_map(server):
 def test_chat_logprobs(server):
     s, sched, tok = server
     msgs = [{"role": "user", "content": PROMPT}]
-    body = {"messages": msgs, "max_tokens": 16, "block_length": 8, "logprobs": True, "top_logprobs": 2,
+    body = {"messages": msgs, "max_tokens": 16, "block_length": 8, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
             "return_step_map": True}
     c = _post(s, body, "/v1/chat/completions")["choices"][0]
     content = c["logprobs"]["content"]
