@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, same_program
+from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, row_record, same_program
 from dinfer_jax.server import Batcher, Cancelled, log
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
@@ -317,9 +317,12 @@ class ContinuousBatcher(Batcher):
         watched = [(b, j) for b, j in enumerate(rb.slots) if j is not None and (j.events is not None or j.stop)]
         if watched:  # streaming rows get their finished blocks; rows whose stop string is committed end now
             gen, blk, done = rb.progress()
+            rec = rb.progress_record() if any(j.records for _, j in watched) else None
             bl = rb.spec.block_length
             early = []
             for b, j in watched:
+                if j.records:  # committed blocks' records are final (editing stays inside the current block)
+                    j.record = row_record(rec, b, gen.shape[1], j.params.logprobs)
                 n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
                 if self._emit_blocks(j, gen[b], n_blocks, bl) if j.events is not None else \
                         self._stopped_early(j, gen[b], n_blocks, bl):
@@ -335,7 +338,8 @@ class ContinuousBatcher(Batcher):
         """Answer finished rows (decoding/segments.RowResult) of `rb`."""
         for r in rows:
             j = r.tag
-            a = self._answer(r.raw_ids, j)
+            j.record = (r.commit_steps, r.token_logprobs, r.top_logprobs)
+            a = self._answer(r.raw_ids, j, j.record)
             if j.events is not None:
                 bl = rb.spec.block_length
                 self._emit_blocks(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl)

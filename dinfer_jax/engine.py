@@ -18,8 +18,9 @@ from dinfer_jax import families
 from dinfer_jax.config import ConfigError
 from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
-from dinfer_jax.decoding.loop import (CACHES, KNOBS, ROW_KNOBS, DecodeSpec, bucket_gen_length, generate_loop,
-                                      joins_program, program_spec, refresh_rows_for, same_program)
+from dinfer_jax.decoding.loop import (CACHES, KNOBS, LOGPROB_BUCKETS, ROW_KNOBS, DecodeSpec, bucket_gen_length,
+                                      generate_loop, joins_program, logprob_bucket, program_spec, refresh_rows_for,
+                                      same_program)
 from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
@@ -41,6 +42,7 @@ class InvalidParam(ValueError):
 _INT, _FLOAT, _BOOL = "int", "float", "bool"
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 _KNOB_INT_MAX = 2**24  # largest integer an fp32 knob holds exactly
+MAX_LOGPROBS = max(LOGPROB_BUCKETS)  # top alternatives a request may ask (OpenAI's limit, 20)
 _LARGE = 1e6  # bound of the unbounded-above float knobs (their rules saturate far below it)
 _RULES = {
     "gen_length": (_INT, 1, True, _KNOB_INT_MAX, True),
@@ -73,6 +75,7 @@ _RULES = {
     "sub_block_length": (_INT, 0, True, None, False),
     "eb_threshold": (_FLOAT, 0.0, False, _LARGE, True),
     "sub_block_cache": (_BOOL,),
+    "logprobs": (_INT, 0, True, MAX_LOGPROBS, True),  # or None
 }
 EB_THRESHOLD = 0.35  # SDAR generate.py's --eb_threshold default
 
@@ -194,6 +197,12 @@ class SamplingParams:
     # sub-block only, reading the other block positions' K/V from that block cache (stale: an
     # approximation; decoding/block_loop.py). False: every step is a whole-block forward (exact).
     sub_block_cache: bool = False
+    # Per-token log-probabilities (None: off): each generated token's log-probability and the
+    # `logprobs` (0..20) most probable alternatives, under the distribution of the step that committed
+    # it (decoding/loop.commit_record: log_softmax of the logits the decoder received, fp32, before
+    # temperature / top-k / top-p; not a left-to-right likelihood). GenerationResult.token_logprobs /
+    # top_logprobs. The commit step of each token (GenerationResult.commit_steps) is always recorded.
+    logprobs: int | None = None
 
     def __post_init__(self):
         """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
@@ -206,7 +215,7 @@ class SamplingParams:
             raise InvalidParam("alg", f"alg={self.alg!r} is not one of {DREAM_ALGS} (Dream's sampler)")
         for name in _RULES:
             v = getattr(self, name)
-            if name in ("steps", "editing_threshold") and v is None:
+            if name in ("steps", "editing_threshold", "logprobs") and v is None:
                 continue
             object.__setattr__(self, name, _check_field(name, v))
 
@@ -259,6 +268,9 @@ class SamplingParams:
             elif self.sub_block_cache:
                 raise InvalidParam("sub_block_cache", "sub_block_cache (Fast-dLLM v2's sub-block DualCache) needs "
                                                       "sub_block_length > 0: the sub-blocks whose forwards it shortens")
+            if self.indel and self.logprobs is not None:
+                raise InvalidParam("logprobs", "logprobs does not combine with indel (LLaDA2.2 insert/delete "
+                                               "editing moves tokens between slots after they are committed)")
             if self.indel and self.temperature > 0:
                 raise InvalidParam("temperature", f"indel (LLaDA2.2 insert/delete editing) decodes greedily "
                                                   f"(SGLang's JointThresholdInDel): temperature must be 0, "
@@ -341,7 +353,8 @@ class SamplingParams:
             mask_id=mask_id, eos_id=eos_id, editing=self.editing_threshold is not None or self.indel,
             max_post_steps=self.max_post_steps, indel=self.indel,
             alg=(self.alg or "origin") if self.strategy == DREAM else "", logit_shift=logit_shift,
-            sub_block_length=self.sub_block_length, sub_block_cache=self.sub_block_cache)
+            sub_block_length=self.sub_block_length, sub_block_cache=self.sub_block_cache,
+            logprobs=-1 if self.logprobs is None else logprob_bucket(self.logprobs))
 
 
 @dataclasses.dataclass
@@ -366,6 +379,29 @@ class GenerationResult:
     # sub_block_cache: per prompt, how many of its forwards covered only a sub-block (read the block cache)
     sub_block_forwards: list[int] | None = None
     batch_nfe_partial: int = 0
+    # Per prompt, aligned with token_ids (`row_record`): the row's iteration (0-based, its own step
+    # counter) that committed each token (-1: never written by the decoder, e.g. an undecoded mask);
+    # with SamplingParams.logprobs, each token's log-probability (NaN where never written) and its
+    # top `logprobs` alternatives as (token id, log-probability) pairs, most probable first.
+    commit_steps: list[list[int]] | None = None
+    token_logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+
+def row_record(rec: dict, b: int, n: int, top_n: int | None):
+    """Row b's commit record (decoding/loop.record_region, host arrays over the generation region)
+    for its first n tokens -> (commit steps, token logprobs | None, top logprobs | None); top_n:
+    the request's SamplingParams.logprobs (None: no logprobs)."""
+    steps = [int(v) for v in rec["commit_it"][b, :n]]
+    if top_n is None or "commit_lp" not in rec:
+        return steps, None, None
+    written = rec["commit_it"][b, :n] >= 0
+    lps = [float(v) if w else float("nan") for v, w in zip(rec["commit_lp"][b, :n], written)]
+    tops = [[] for _ in range(n)]
+    if top_n > 0:
+        ids, vals = rec["top_ids"][b, :n, :top_n], rec["top_lp"][b, :n, :top_n]
+        tops = [[(int(i), float(v)) for i, v in zip(ids[j], vals[j])] if written[j] else [] for j in range(n)]
+    return steps, lps, tops
 
 
 def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
@@ -629,9 +665,12 @@ class Generator:
         ins, dels = ([[int(v) for v in stats[k][:n]] for k in ("inserts", "deletes")] if "inserts" in stats
                      else (None, None))
         subf = [int(v) for v in stats["row_sub"][:n]] if "row_sub" in stats else None
+        recs = [row_record(stats, b, len(out[b]), per_row[b].logprobs) for b in range(n)]
+        lp = [r[1] for r in recs] if per_row[0].logprobs is not None else None
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
-                                edits, ins, dels, subf, int(stats.get("nfe_partial", 0)))
+                                edits, ins, dels, subf, int(stats.get("nfe_partial", 0)),
+                                [r[0] for r in recs], lp, [r[2] for r in recs] if lp is not None else None)
 
 
 def knob_value(p: SamplingParams, k: str) -> float:

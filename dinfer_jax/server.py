@@ -46,7 +46,7 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, SamplingParams, ids_until_stop
+from dinfer_jax.engine import MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, ids_until_stop
 from dinfer_jax.stop_strings import check_stop, find_stop, held_back, ids_through
 
 log = logging.getLogger("dinfer_jax.server")
@@ -140,15 +140,20 @@ class CommonFields(DinferFields):
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
     user: Optional[str] = None
+    return_step_map: Optional[bool] = None  # dLLM extension: each output token's commit step (`commit_steps`)
 
 
 class CompletionRequest(CommonFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None  # OpenAI legacy: the top N (0..20) alternatives per token
+    echo: Optional[bool] = None
 
 
 class ChatRequest(CommonFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None  # 0..20, with logprobs true
 
 
 MiB = 2 ** 20
@@ -200,6 +205,12 @@ class Job:
     cancelled: bool = False  # set by the request handler (timeout, client gone) or the watchdog
     answered: bool = False  # its result / error was handed to its future (once, whoever comes first)
     stop: tuple = ()  # stop strings (dinfer_jax/stop_strings.py)
+    # Streaming rows whose chunks carry per-token records (logprobs / step map): the ids already
+    # attributed to a chunk, and the row's commit record (engine.row_record's (steps, logprobs, top),
+    # a prefix of the generation region) as last read, which `_emit` attributes from.
+    records: bool = False
+    sent_ids: int = 0
+    record: Optional[tuple] = None
 
     def expired(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
@@ -552,17 +563,24 @@ class Batcher:
         out of iterations: `undecoded` counts them)."""
         return ids_until_stop(ids, () if job is not None and job.params.ignore_eos else self.stop_ids, self.mask_id)
 
-    def _answer(self, raw, job: Job) -> dict:
+    def _answer(self, raw, job: Job, record: tuple) -> dict:
         """A finished row's generation region -> {token_ids, text, finish_reason, undecoded:
-        positions within max_tokens the decoder left masked}; a stop string cuts the text before
-        it and the ids after the token that completed it."""
+        positions within max_tokens the decoder left masked, commit_steps, token_logprobs,
+        top_logprobs (None unless the job asked for logprobs)}; a stop string cuts the text before
+        it and the ids after the token that completed it. record: the row's (commit steps,
+        logprobs | None, top logprobs | None) over a prefix of the region holding the answer's ids."""
         ids, stopped = self._text_until_stop(raw[:job.max_tokens], job)
         text = self.tok.decode(ids) if self.tok else None
+
+        def rec(ids):
+            steps, lps, tops = record
+            return {"commit_steps": steps[:len(ids)], "token_logprobs": None if lps is None else lps[:len(ids)],
+                    "top_logprobs": None if tops is None else tops[:len(ids)]}
         if job.stop and text is not None:
             hit = find_stop(text, job.stop)
             if hit is not None:
                 ids = ids[:ids_through(ids, self.tok.decode, hit[1])]
-                return {"token_ids": ids, "text": text[:hit[0]], "finish_reason": "stop", "undecoded": 0}
+                return {"token_ids": ids, "text": text[:hit[0]], "finish_reason": "stop", "undecoded": 0, **rec(ids)}
         undecoded = 0
         if not stopped and len(ids) < min(len(raw), job.max_tokens):
             undecoded = int(np.sum(np.asarray(raw[:job.max_tokens]) == self.mask_id))
@@ -572,7 +590,7 @@ class Batcher:
                 log.warning("a row ended with %d undecoded (mask) positions: the decoder hit its iteration "
                             "bound (non-finite logits, or a model that keeps predicting the mask id)", undecoded)
         return {"token_ids": ids, "text": text, "finish_reason": "stop" if stopped else "length",
-                "undecoded": undecoded}
+                "undecoded": undecoded, **rec(ids)}
 
     def _stopped_early(self, job: Job, gen_G, finished: int, bl: int) -> bool:
         """Whether the committed prefix (`finished` whole blocks) of a row with stop strings holds
@@ -590,14 +608,18 @@ class Batcher:
 
             def send_finished_blocks(step, gen_BG, blk_B, done_B, active_B):
                 for b, j in enumerate(batch):
-                    if j.events is None or j.cancelled:
+                    # rows whose chunks carry records (logprobs / step map) are streamed when the
+                    # batch ends: the static program's observer sees tokens, not the record
+                    if j.events is None or j.cancelled or j.records:
                         continue
                     self._emit_blocks(j, gen_BG[b], gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b]), bl)
             observer = send_finished_blocks
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
         for b, j in enumerate(batch):
-            a = self._answer(r.raw_ids[b], j)
+            j.record = (r.commit_steps[b], r.token_logprobs[b] if r.token_logprobs is not None else None,
+                        r.top_logprobs[b] if r.top_logprobs is not None else None)
+            a = self._answer(r.raw_ids[b], j, j.record)
             if j.events is not None:
                 bl = j.params.block_length
                 self._emit_blocks(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl)
@@ -624,19 +646,36 @@ class Batcher:
         """Send the text of `ids` past what was sent; with stop strings, the text before the first
         one, and (until final) without a tail that may still become one -> whether a stop string
         was found."""
-        text = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))
+        text = full = self.tok.decode(ids) if self.tok else " ".join(map(str, ids))
         hit = find_stop(text, job.stop) if job.stop else None
         if hit:
             text = text[:hit[0]]
         elif job.stop and not final:
             text = text[:len(text) - held_back(text, job.stop)]
-        if len(text) > len(job.sent_text) and text.startswith(job.sent_text):
-            delta, job.sent_text = text[len(job.sent_text):], text
+        grew = len(text) > len(job.sent_text) and text.startswith(job.sent_text)
+        # ids go with the chunk that completes their text (all of them with the final one)
+        upto = len(ids) if final or (grew and not hit and text == full) else job.sent_ids
+        chunk = self._chunk_ids(job, ids, upto)
+        if grew or (final and job.records and chunk[0]):
+            delta, job.sent_text = (text[len(job.sent_text):], text) if grew else ("", job.sent_text)
             try:
-                job.loop.call_soon_threadsafe(job.events.put_nowait, delta)
+                job.loop.call_soon_threadsafe(job.events.put_nowait, (delta, *chunk))
             except RuntimeError:  # the request's event loop is closed
                 job.cancelled = True
         return hit is not None
+
+    def _chunk_ids(self, job: Job, ids: list[int], upto: int) -> tuple[list[int], Optional[list[tuple]]]:
+        """The ids ids[job.sent_ids:upto] that a chunk carries, and their records (commit step,
+        logprob | None, top | None) when the job streams records; advances job.sent_ids."""
+        lo = job.sent_ids
+        if upto <= lo:
+            return [], None if not job.records else []
+        job.sent_ids = upto
+        if not job.records:
+            return list(ids[lo:upto]), None
+        steps, lps, tops = job.record
+        return list(ids[lo:upto]), [(steps[k], None if lps is None else lps[k], None if tops is None else tops[k])
+                                    for k in range(lo, upto)]
 
     def _finish(self, job: Job, result=None, exc=None):
         """Answer a job (any scheduler; once: later answers are ignored): its seed is added to the
@@ -867,8 +906,10 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest(f"n={n} with stream=true: a stream carries one choice here; send n requests", "n")
         return n
 
-    def sampling(req: CommonFields, max_tokens: int, n_prompts: int = 1, n: int = 1) -> list[SamplingParams]:
-        """SamplingParams for each prompt's n choices (prompt-major, as the choices are listed).
+    def sampling(req: CommonFields, max_tokens: int, n_prompts: int = 1, n: int = 1,
+                 logprobs: Optional[int] = None) -> list[SamplingParams]:
+        """SamplingParams for each prompt's n choices (prompt-major, as the choices are listed);
+        logprobs: the top alternatives per token the answer lists (None: no logprobs).
         temperature > 0 without a seed: a fresh random seed for each (reported back as `seed`); a
         given seed is used for every prompt, choice k of a prompt taking seed + k (mod 2**32)."""
         if max_tokens > cfg.max_tokens:
@@ -885,6 +926,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             upd["seed"] = req.seed
         if req.top_p is not None:
             upd["top_p"] = req.top_p
+        if logprobs is not None:
+            upd["logprobs"] = logprobs
         try:
             p = derive_params(d, upd, max_tokens, model.config)  # the model's own rules too (cache, indel)
         except InvalidParam as e:
@@ -934,8 +977,9 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if not batcher.ready.is_set():
             raise BadRequest("the server is warming up (compiling); retry shortly", status=503)
 
-    async def run_jobs(ids_list, params, max_tokens, stream, stop=()):
-        """Queue one job per (prompt, params) pair, all or none."""
+    async def run_jobs(ids_list, params, max_tokens, stream, stop=(), records=False):
+        """Queue one job per (prompt, params) pair, all or none. records: stream chunks carry the
+        per-token records (logprobs / step map)."""
         admitting()
         if len(ids_list) > cfg.max_queue:
             raise BadRequest(f"{len(ids_list)} prompts in one request exceed this server's queue of "
@@ -944,7 +988,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
         jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
                     p.spec_for(model.config),
-                    asyncio.Queue() if stream else None, deadline=deadline, stop=stop)
+                    asyncio.Queue() if stream else None, deadline=deadline, stop=stop, records=records)
                 for ids, p in zip(ids_list, params)]
         try:
             batcher.submit_all(jobs)
@@ -1036,9 +1080,52 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if name not in (None, "", cfg.model_name):
             raise BadRequest(f"model {name!r} is not served here (this server has {cfg.model_name!r})", "model", 404)
 
+    # ---- per-token records: logprobs (decoding/loop.commit_record: the distribution of the step that
+    # committed the token) and the commit-step map (dLLM extension)
+
+    def token_text(t: int) -> str:
+        """One token's text (special tokens by name, so alternatives never collide on "")."""
+        return tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else f"token_id:{t}"
+
+    def finite(v: float) -> float:
+        """JSON has no -inf: a banned token's (EOS under ignore_eos / min_tokens) logprob -> -9999.0 (vLLM's)."""
+        return max(float(v), -9999.0)
+
+    def completion_logprobs(ids, recs, prev_ids=(), base: int = 0) -> dict:
+        """OpenAI's legacy `logprobs` object for `ids` (recs: their (step, logprob, top) records);
+        text_offset: where each token's text starts in the choice's text, after prev_ids (sent
+        before) and `base` characters (the echoed prompt)."""
+        dec = tokenizer.decode if tokenizer is not None else (lambda x: "".join(map(token_text, x)))
+        prev = list(prev_ids)
+        return {"tokens": [token_text(t) for t in ids], "token_logprobs": [finite(r[1]) for r in recs],
+                "top_logprobs": [{token_text(t): finite(v) for t, v in r[2]} for r in recs],
+                "text_offset": [base + len(dec(prev + list(ids[:k]))) for k in range(len(ids))]}
+
+    def chat_logprobs(ids, recs) -> dict:
+        """OpenAI's chat `logprobs` object ({"content": [...]}) for `ids` and their records."""
+        def one(t, v):
+            s = token_text(t)
+            return {"token": s, "logprob": finite(v), "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**one(t, r[1]), "top_logprobs": [one(a, v) for a, v in r[2]]} for t, r in zip(ids, recs)]}
+
+    def records_of(r: dict) -> list[tuple]:
+        """A result's per-token records (step, logprob | None, top | None), aligned with its token_ids."""
+        n = len(r["token_ids"])
+        lps, tops = r.get("token_logprobs"), r.get("top_logprobs")
+        return [(r["commit_steps"][k], None if lps is None else lps[k], None if tops is None else tops[k])
+                for k in range(n)]
+
+    def check_logprobs(n: Optional[int], name: str):
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise BadRequest(f"{name}={n} must be in [0, {MAX_LOGPROBS}]", name)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
+        check_logprobs(req.logprobs, "logprobs")
+        if req.echo and req.logprobs is not None:
+            raise BadRequest("echo with logprobs is not supported: a masked-diffusion model assigns no "
+                             "left-to-right likelihood to the prompt's tokens (send echo or logprobs)", "echo")
         max_tokens = req.max_tokens or cfg.default_max_tokens
         prompts = req.prompt
         if isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list)):
@@ -1049,22 +1136,33 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest("stream=true takes one prompt per request", "prompt")
         n = choices_per_prompt(req)
         stop = stop_strings(req)
-        params = sampling(req, max_tokens, len(items), n)
+        params = sampling(req, max_tokens, len(items), n, req.logprobs)
         ids_list = await encode_all(items)
         for ids in ids_list:
             limits(ids, max_tokens, params[0])
-        jobs = await run_jobs([ids for ids in ids_list for _ in range(n)], params, max_tokens, req.stream, stop)
+        records = req.logprobs is not None or bool(req.return_step_map)
+        jobs = await run_jobs([ids for ids in ids_list for _ in range(n)], params, max_tokens, req.stream, stop,
+                              records)
+        # echo: the prompt's text before the answer's (text prompts as sent; token ids decoded)
+        echoed = [(x if isinstance(x, str) else tokenizer.decode(ids) if tokenizer is not None else "")
+                  if req.echo else "" for x, ids in zip(items, ids_list)]
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name}
         if req.stream:
-            return StreamingResponse(stream_completion(jobs[0], base, len(ids_list[0]), req, request),
+            return StreamingResponse(stream_completion(jobs[0], base, len(ids_list[0]), req, request, echoed[0]),
                                      media_type="text/event-stream")
         results = await results_of(jobs, request)
-        return {**base, "choices": [{"index": i, "text": r["text"] if r["text"] is not None else "",
-                                     "finish_reason": r["finish_reason"], "logprobs": None,
-                                     "token_ids": r["token_ids"], "nfe": r["nfe"], "tpf": r["tpf"],
-                                     "undecoded_tokens": r["undecoded"], "seed": r["seed"]}
-                                    for i, r in enumerate(results)],
+
+        def choice(i, r):
+            c = {"index": i, "text": echoed[i // n] + (r["text"] if r["text"] is not None else ""),
+                 "finish_reason": r["finish_reason"],
+                 "logprobs": None if req.logprobs is None else completion_logprobs(r["token_ids"], records_of(r)),
+                 "token_ids": r["token_ids"], "nfe": r["nfe"], "tpf": r["tpf"],
+                 "undecoded_tokens": r["undecoded"], "seed": r["seed"]}
+            if req.return_step_map:
+                c["commit_steps"] = r["commit_steps"]
+            return c
+        return {**base, "choices": [choice(i, r) for i, r in enumerate(results)],
                 "usage": usage(sum(map(len, ids_list)), results)}
 
     async def stream_events(job, request):
@@ -1090,10 +1188,19 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             return sse({"error": {"message": e.message, "type": "timeout" if e.status == 504 else "server_error"}})
         return sse({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
 
-    async def stream_completion(job, base, n_prompt, req, request):
+    async def stream_completion(job, base, n_prompt, req, request, echoed: str = ""):
         try:
-            async for delta in stream_events(job, request):
-                yield sse({**base, "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]})
+            if echoed:
+                yield sse({**base, "choices": [{"index": 0, "text": echoed, "finish_reason": None, "logprobs": None}]})
+            sent: list[int] = []
+            async for delta, ids, recs in stream_events(job, request):
+                c = {"index": 0, "text": delta, "finish_reason": None, "logprobs": None}
+                if req.logprobs is not None:
+                    c["logprobs"] = completion_logprobs(ids, recs, sent, len(echoed))
+                if req.return_step_map:
+                    c["commit_steps"] = [r[0] for r in recs]
+                sent += ids
+                yield sse({**base, "choices": [c]})
             r = job.future.result()
         except ClientGone:
             return
@@ -1119,7 +1226,10 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
         n = choices_per_prompt(req)
         stop = stop_strings(req)
-        params = sampling(req, max_tokens, 1, n)
+        check_logprobs(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        params = sampling(req, max_tokens, 1, n, (req.top_logprobs or 0) if req.logprobs else None)
 
         def render() -> list[int]:  # on a worker thread: templates and tokenizing take time
             for i, m in enumerate(req.messages):  # user text must not smuggle in special tokens
@@ -1136,17 +1246,24 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             return encode(text, "messages", allow_special=True)
         ids = await asyncio.to_thread(render)
         limits(ids, max_tokens, params[0])
-        jobs = await run_jobs([ids] * n, params, max_tokens, req.stream, stop)
+        jobs = await run_jobs([ids] * n, params, max_tokens, req.stream, stop,
+                              bool(req.logprobs) or bool(req.return_step_map))
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}
         if req.stream:
             return StreamingResponse(stream_chat(jobs[0], base, len(ids), req, request), media_type="text/event-stream")
         results = await results_of(jobs, request)
         r = results[0]
+
+        def choice(i, c):
+            out = {"index": i, "message": {"role": "assistant", "content": c["text"]},
+                   "finish_reason": c["finish_reason"],
+                   "logprobs": chat_logprobs(c["token_ids"], records_of(c)) if req.logprobs else None,
+                   "seed": c["seed"], "nfe": c["nfe"], "tpf": c["tpf"], "undecoded_tokens": c["undecoded"]}
+            if req.return_step_map:
+                out["commit_steps"] = c["commit_steps"]
+            return out
         return {**base, "object": "chat.completion",
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
-                             "finish_reason": c["finish_reason"], "logprobs": None, "seed": c["seed"],
-                             "nfe": c["nfe"], "tpf": c["tpf"], "undecoded_tokens": c["undecoded"]}
-                            for i, c in enumerate(results)],
+                "choices": [choice(i, c) for i, c in enumerate(results)],
                 "usage": usage(len(ids), results), "nfe": r["nfe"], "tpf": r["tpf"], "undecoded_tokens": r["undecoded"]}
 
     async def stream_chat(job, base, n_prompt, req, request):
@@ -1154,8 +1271,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
         try:
-            async for delta in stream_events(job, request):
-                yield sse({**chunk, "choices": [{"index": 0, "delta": {"content": delta}, "finish_reason": None}]})
+            async for delta, ids, recs in stream_events(job, request):
+                c = {"index": 0, "delta": {"content": delta}, "finish_reason": None}
+                if req.logprobs:
+                    c["logprobs"] = chat_logprobs(ids, recs)
+                if req.return_step_map:
+                    c["commit_steps"] = [r[0] for r in recs]
+                yield sse({**chunk, "choices": [c]})
             r = job.future.result()
         except ClientGone:
             return

@@ -98,8 +98,19 @@ def choose(kind, logits, x_blk, mask_id, p, step, quota, tau, credit):
     raise ValueError(kind)
 
 
-def reference_generate(model, prompt, p):
-    """-> (generation region tokens (list), number of forwards). Temperature 0 only."""
+def log_softmax(l):
+    """float64 log_softmax over the last axis (numpy; independent of the loop's jax.nn.log_softmax)."""
+    l = np.asarray(l, np.float64)
+    m = l.max(-1, keepdims=True)
+    return l - m - np.log(np.exp(l - m).sum(-1, keepdims=True))
+
+
+def reference_generate(model, prompt, p, record=None):
+    """-> (generation region tokens (list), number of forwards). Temperature 0 only.
+    record: a dict to fill with the commit record over the generation region: "steps" (the
+    forward, 0-based, that wrote each position; -1: never written), "logprobs" (float64
+    log_softmax of the logits that step decoded from, at the written token; NaN: never written)
+    and "top" (per position, the (token, logprob) pairs by descending logprob, ties: lower id)."""
     assert p.temperature == 0
     cfg, module, params = model.config, model.module, model.params
     M, eos = cfg.mask_token_id, cfg.eos_token_id
@@ -114,6 +125,7 @@ def reference_generate(model, prompt, p):
     soft = np.zeros((L, cfg.hidden_size))
     nfe, it = 0, 0
     kv = None
+    steps, lps, tops = [-1] * G, [float("nan")] * G, [[] for _ in range(G)]
 
     def forward(lo, hi, cache):
         """Logits for positions [lo, hi); cache None -> full forward (returns fresh K/V too)."""
@@ -160,6 +172,9 @@ def reference_generate(model, prompt, p):
             picks, cand = choose(p.strategy, logits, x[s:e], M, p, step, quota, tau, credit)
             for i in picks:
                 x[s + i] = cand[i]
+                lsm = log_softmax(logits[i])
+                steps[s + i - P], lps[s + i - P] = it, float(lsm[cand[i]])
+                tops[s + i - P] = [(int(t), float(lsm[t])) for t in np.argsort(-lsm, kind="stable")]
             nfe += 1
             it += 1
             step += 1
@@ -168,4 +183,6 @@ def reference_generate(model, prompt, p):
         if p.early_stop and np.any(x[max(s, P):e] == eos):  # EOS generated in this block (not prompt EOS)
             x[e:] = eos
             break
+    if record is not None:
+        record.update(steps=steps, logprobs=lps, top=tops)
     return x[P:].tolist(), nfe

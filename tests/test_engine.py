@@ -39,12 +39,62 @@ def test_loop_matches_reference(model, strategy, cache):
     p = dataclasses.replace(BASE, strategy=strategy, cache=cache)
     r = generate(model, PROMPTS, p)
     for i, prompt in enumerate(PROMPTS):
-        want, nfe = reference_generate(model, prompt, p)
+        rec = {}
+        want, nfe = reference_generate(model, prompt, p, record=rec)
         assert r.raw_ids[i].tolist() == want, f"row {i}"
         assert r.nfe[i] == nfe
+        n = len(r.token_ids[i])
+        assert r.commit_steps[i] == rec["steps"][:n], f"row {i}: step map"  # always recorded
+    assert r.token_logprobs is None and r.top_logprobs is None  # not asked
     assert not np.any(r.raw_ids == model.config.mask_token_id)
     if strategy != "fixed":
         assert max(r.tpf) > 1.0  # several tokens per forward really happened
+
+
+# Logprobs vs the reference's float64 numpy log_softmax of the same forward's logits. Tolerance: the
+# loop's log_softmax runs in fp32 on fp32 logits of magnitude <~ 50 (the x40 head), whose rounding is
+# ~ 50 * 2**-24 ~ 3e-6 per logit; the jitted forward (padded, batched, cached windows) and the
+# reference's own forward differ by about as much, so 1e-4 absolute leaves room while a wrong
+# position, step, token or distribution (e.g. after temperature or credit) is off by >> 1e-2.
+LP_CASES = [("credit", "dual", 5), ("fixed", "prefix", 0), ("threshold", "vicinity", 20)]
+
+
+@pytest.mark.parametrize("strategy,cache,top", LP_CASES)
+def test_logprobs_match_reference(model, strategy, cache, top):
+    p = dataclasses.replace(BASE, strategy=strategy, cache=cache, logprobs=top)
+    r = generate(model, PROMPTS, p)
+    assert r.top_logprobs is not None
+    for i, prompt in enumerate(PROMPTS):
+        rec = {}
+        want, _ = reference_generate(model, prompt, p, record=rec)
+        assert r.raw_ids[i].tolist() == want, f"row {i}"
+        n = len(r.token_ids[i])
+        assert n > 0 and r.commit_steps[i] == rec["steps"][:n]
+        np.testing.assert_allclose(r.token_logprobs[i], rec["logprobs"][:n], rtol=0, atol=1e-4)
+        assert all(lp <= 0 for lp in r.token_logprobs[i])
+        for j in range(n):
+            got = r.top_logprobs[i][j]
+            assert len(got) == top
+            ref = rec["top"][j][:top]
+            assert [t for t, _ in got] == [t for t, _ in ref], f"row {i} pos {j}"
+            np.testing.assert_allclose([v for _, v in got], [v for _, v in ref], rtol=0, atol=1e-4)
+    # one program per bucket: 1..5 share the bucket of 5 (the top 3 are the bucket's first 3)
+    if top == 5:
+        q = generate(model, PROMPTS, dataclasses.replace(p, logprobs=3))
+        assert q.token_ids == r.token_ids
+        assert [[a[:3] for a in row] for row in r.top_logprobs] == q.top_logprobs
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("bad,msg", [(dict(logprobs=21), r"logprobs=21 must be in \[0, 20\]"),
+                                     (dict(logprobs=-1), r"logprobs=-1 must be in \[0, 20\]"),
+                                     (dict(logprobs=True), "logprobs=True must be an integer"),
+                                     (dict(logprobs=2.0), "logprobs=2.0 must be an integer")])
+def test_bad_logprobs(bad, msg):
+    from dinfer_jax.engine import InvalidParam
+    with pytest.raises(InvalidParam, match=msg) as e:
+        dataclasses.replace(BASE, **bad)
+    assert e.value.field == "logprobs"
 
 
 PROMPTS_8 = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30], [40, 41], [50, 51, 52, 53],

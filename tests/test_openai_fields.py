@@ -126,3 +126,111 @@ def test_openai_client_gets_n_and_stop(server):
     assert [c.text for c in r.choices] == ["016", "016"] and {c.finish_reason for c in r.choices} == {"stop"}
     c = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=16, n=2)
     assert len(c.choices) == 2 and c.choices[0].message.content == c.choices[1].message.content
+
+
+def _records_body(**kw):
+    return {"prompt": PROMPT, "max_tokens": 16, "block_length": 8, "ignore_eos": True, **kw}
+
+
+def _engine_answer(s, body, logprobs):
+    """What the library decodes for the same request (tested against the host-loop reference in
+    tests/test_engine.py): the server's derived SamplingParams, generate() on the prompt alone."""
+    from dinfer_jax.engine import generate
+    from dinfer_jax.server import derive_params
+    model, tok = demo()
+    keys = ("block_length", "ignore_eos")
+    p = derive_params(ServerConfig(model_name="demo").default_params,
+                      {**{k: body[k] for k in keys}, "logprobs": logprobs}, body["max_tokens"], model.config)
+    return generate(model, [tok.encode(body["prompt"])], p)
+
+
+def test_completion_logprobs_and_step_map(server):
+    s, sched, tok = server
+    body = _records_body(logprobs=3, return_step_map=True)
+    c = _post(s, body)["choices"][0]
+    ref = _engine_answer(s, body, 3)
+    n = len(c["token_ids"])
+    assert c["token_ids"] == ref.token_ids[0][:n] and n == 16
+    lp = c["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in c["token_ids"]] and "".join(lp["tokens"]) == c["text"]
+    # batch of the server (up to 8 rows) vs 1 row: the same forwards up to fp32 rounding (test_segments.py)
+    assert lp["token_logprobs"] == pytest.approx(ref.token_logprobs[0][:n], abs=1e-4)
+    assert c["commit_steps"] == ref.commit_steps[0][:n]
+    assert c["commit_steps"][:8] != list(range(8)) or c["commit_steps"][8:] != list(range(8, 16))  # not trivial
+    assert lp["text_offset"] == list(range(n))  # one character per demo token
+    for top, want, got in zip(lp["top_logprobs"], ref.top_logprobs[0], lp["token_logprobs"]):
+        assert list(top) == [tok.decode([t], skip_special_tokens=False) for t, _ in want] and len(top) == 3
+        assert list(top.values()) == pytest.approx([v for _, v in want], abs=1e-4)
+        assert max(top.values()) >= got - 1e-6 and all(v <= 0 for v in top.values())
+    # logprobs 0: the tokens' own logprobs, no alternatives; no step map unless asked
+    c0 = _post(s, _records_body(logprobs=0))["choices"][0]
+    assert c0["token_ids"] == c["token_ids"] and "commit_steps" not in c0
+    assert c0["logprobs"]["top_logprobs"] == [{}] * n
+    assert c0["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    # streamed: each chunk carries the logprobs / steps of the tokens it sends; together the whole answer
+    toks, lps, steps, text = [], [], [], ""
+    with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                if ch["finish_reason"] is not None:
+                    continue
+                assert "".join(ch["logprobs"]["tokens"]) == ch["text"]
+                assert ch["logprobs"]["text_offset"] == list(range(len(text), len(text) + len(ch["text"])))
+                text += ch["text"]
+                toks += ch["logprobs"]["tokens"]
+                lps += ch["logprobs"]["token_logprobs"]
+                steps += ch["commit_steps"]
+    assert text == c["text"] and toks == lp["tokens"] and steps == c["commit_steps"]
+    assert lps == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    # echo (without logprobs): the prompt's text comes first
+    e = _post(s, _records_body(echo=True))["choices"][0]
+    assert e["text"] == PROMPT + c["text"] and e["logprobs"] is None
+
+
+def test_chat_logprobs(server):
+    s, sched, tok = server
+    msgs = [{"role": "user", "content": PROMPT}]
+    body = {"messages": msgs, "max_tokens": 16, "block_length": 8, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
+            "return_step_map": True}
+    c = _post(s, body, "/v1/chat/completions")["choices"][0]
+    content = c["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == c["message"]["content"] and content
+    assert len(c["commit_steps"]) == len(content) and min(c["commit_steps"]) >= 0
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode()) and e["logprob"] <= 0
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+        assert e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+    plain = _post(s, {**body, "logprobs": False, "top_logprobs": None, "return_step_map": False},
+                  "/v1/chat/completions")["choices"][0]
+    assert plain["logprobs"] is None and "commit_steps" not in plain
+    assert plain["message"]["content"] == c["message"]["content"]
+    got, text = [], ""
+    with httpx.stream("POST", f"{s.url}/v1/chat/completions", json={**body, "stream": True}, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and "choices" in line:
+                chs = json.loads(line[6:])["choices"]
+                if chs and chs[0]["delta"].get("content") and "logprobs" in chs[0]:
+                    got += chs[0]["logprobs"]["content"]
+                    text += chs[0]["delta"]["content"]
+    assert text == c["message"]["content"] and [e["token"] for e in got] == [e["token"] for e in content]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"logprobs": 2, "echo": True}, "echo"),
+    ("/v1/completions", {"return_step_map": "yes"}, "return_step_map"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 5}, "logprobs"),
+])
+def test_logprobs_refusals(server, path, extra, param):
+    s, sched, tok = server
+    body = ({"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": PROMPT}]})
+    r = httpx.post(f"{s.url}{path}", json={**body, "max_tokens": 8, **extra}, timeout=600)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()

@@ -78,16 +78,31 @@ def _check_alone(model, prompts, sps, results):
         assert not r.capped
         if alone.edits is not None:
             assert r.edits == alone.edits[0]
+        n = len(alone.token_ids[0])  # the row's commit record (over its raw region) vs alone's (over token_ids)
+        assert r.commit_steps[:n] == alone.commit_steps[0], f"prompt {i}: step map"
+        assert all(v >= 0 for v in r.commit_steps[:n])  # every answered token was written by the decoder
+        if sp.logprobs is None:
+            assert r.token_logprobs is None and alone.token_logprobs is None
+            continue
+        # the same forwards in a batch of 2 / of 1: fp32 logits agree to rounding (~4e-5 seen on the demo
+        # model: XLA reduces in another order for another batch shape); a wrong step or position is >> 1e-2
+        np.testing.assert_allclose(r.token_logprobs[:n], alone.token_logprobs[0], rtol=0, atol=1e-4)
+        assert [[t for t, _ in a] for a in r.top_logprobs[:n]] == [[t for t, _ in a] for a in alone.top_logprobs[0]]
+        assert all(len(a) == sp.logprobs for a in r.top_logprobs[:n])
+        np.testing.assert_allclose([[v for _, v in a] for a in r.top_logprobs[:n]],
+                                   [[v for _, v in a] for a in alone.top_logprobs[0]], rtol=0, atol=1e-4)
 
 
 DEMO_SETTINGS = [
     dict(strategy="threshold", cache="dual", threshold=0.7),
     dict(strategy="fixed", cache="prefix", steps=16),
     dict(strategy="credit", cache="none"),
+    dict(strategy="threshold", cache="dual", threshold=0.7, logprobs=20),
 ]
 
 
-@pytest.mark.parametrize("kw", DEMO_SETTINGS, ids=["threshold-dual", "fixed-prefix", "credit-none"])
+@pytest.mark.parametrize("kw", DEMO_SETTINGS, ids=["threshold-dual", "fixed-prefix", "credit-none",
+                                                   "threshold-dual-logprobs"])
 def test_swapped_rows_decode_as_alone(demo, kw):
     model, tok = demo
     texts = ["add 123+045=", "sort 5391=", "next abcdefgh=", "add 7+8=", "sort 88123456789=", "next zzzzaaaa="]
@@ -99,12 +114,14 @@ def test_swapped_rows_decode_as_alone(demo, kw):
     assert tok.decode(results[0].token_ids) == "0168" or kw["strategy"] != "fixed"
 
 
-def test_block_diffusion_rows_with_editing_and_poisoned_slots(tiny_llada2):
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_block_diffusion_rows_with_editing_and_poisoned_slots(tiny_llada2, logprobs):
+    """Also the commit record: poisoned slots' old steps / logprobs never reach the new row."""
     model = tiny_llada2
     prompts = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2], [60, 61, 62, 63, 64, 65, 66, 67, 68],
                [3, 4], [90, 91, 92, 93, 94, 95, 96]]
     sps = [SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.3 + 0.1 * (i % 3),
-                          editing_threshold=0.3, max_post_steps=3) for i in range(len(prompts))]
+                          editing_threshold=0.3, max_post_steps=3, logprobs=logprobs) for i in range(len(prompts))]
     results, rb = _drive(model, prompts, sps, batch=2, seg=1, poison=True)
     assert rb.mid_flight >= 2
     _check_alone(model, prompts, sps, results)

@@ -68,6 +68,10 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   M2T from the same forward.
   A block ends when it has no mask (no editing), or (editing) when a forward on the fully
   unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
+Commit record (loop.commit_record): every M2T / T2T write records its step (and, with logprobs,
+the distribution of `logits` before the sampler's temperature / top-k / top-p); a position edited
+later takes its last write. indel: the step a slot's token last changed (rebuilds shift tokens);
+logprobs are refused with indel.
 Early stop: when a block ends holding EOS in its generated part, or the model's end-of-turn id
 (ModelConfig.eot_token_id, e.g. SDAR's <|im_end|>; not for rows with ignore_eos), the row stops and
 the rest of its generation region is filled with EOS.
@@ -360,7 +364,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     Bk, M = spec.block_length, spec.mask_id
     sh, sb = spec.logit_shift, spec.sub_block_length
     sbc = spec.sub_block_cache
-    from dinfer_jax.decoding.loop import row_gen_end
+    from dinfer_jax.decoding.loop import commit_record, commit_record_init, row_gen_end
     gen_end = gen_start + spec.gen_length  # the program's generation region (static)
     gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
@@ -406,6 +410,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
         )
+        state.update(commit_record_init(B, Lc, spec))
         if sbc:  # sub-block forwards: per row, and batch-wide (the block cache itself lives in `kv`)
             state.update(row_sub=jnp.zeros((B,), jnp.int32), nfe_sub=jnp.zeros((), jnp.int32))
         if spec.indel:  # LLaDA2.2 insert/delete editing: per-row block state (indel_step)
@@ -481,10 +486,13 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                     logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
             else:
                 cand = sub_block_candidates(masked0 & in_gen, sb, sh) if sb else None
-                new_blk, _, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B, cand,
-                                               spec.strategy)
+                new_blk, m2t, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B, cand,
+                                                 spec.strategy)
             new_blk = jnp.where(active[:, None], new_blk, x_blk)
             t2t &= active[:, None]
+            # indel: a slot's token may also change by a rebuild (tokens shift): its step is that change's
+            wrote = (new_blk != x_blk) if spec.indel else (m2t | t2t) & active[:, None]
+            rec = commit_record(s, wrote, new_blk, logits, start_B, spec)
             x = window_write(x, new_blk, start_B)
 
         any_mask_after = jnp.any(new_blk == M, axis=-1)
@@ -514,7 +522,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s["blk"][:, None]),
                         (s["stp"] + 1)[:, None], s["steps_per_block"])
         new = dict(
-            x=x, kv=kv, done=done, steps_per_block=spb,
+            **rec, x=x, kv=kv, done=done, steps_per_block=spb,
             blk=jnp.where(finished & ~done, s["blk"] + 1, s["blk"]),
             stp=jnp.where(finished, 0, jnp.where(active, s["stp"] + 1, s["stp"])),
             post=jnp.where(finished, 0, post),

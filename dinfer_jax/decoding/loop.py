@@ -35,6 +35,11 @@ extra left pad, so block start - 1 >= 0 even for aligned blocks that start at a 
 - block (cache="block", decoding/block_loop.py): every window gets one query-only position on the
   left, as dual does.
 Iteration smoothing refuses shifted models.
+
+Commit record (both loops, `commit_record`): per canvas position, the row's iteration that wrote the
+token now there (the step map, always kept), and with DecodeSpec.logprobs its log-probability and
+top-N alternatives under that iteration's logits; returned over the generation region with the
+stats (`record_region`).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding import strategies as st
 
 CACHES = ("none", "prefix", "dual", "vicinity", "block")  # "block": block diffusion (decoding/block_loop.py)
+LOGPROB_BUCKETS = (0, 5, 20)  # DecodeSpec.logprobs values: top-N alternatives recorded (a request's N rounds up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,9 @@ class DecodeSpec:
     logit_shift: int = 0  # the model's ModelConfig.logit_shift (see the module doc)
     sub_block_length: int = 0  # cache="block": sub-blocks decoded left to right (block_loop.py; 0: off)
     sub_block_cache: bool = False  # with sub_block_length: the sub-block DualCache (block_loop.py)
+    # Per-token log-probabilities (`commit_record`): -1 off; N >= 0 records each committed token's
+    # logprob and the top N alternatives (N one of LOGPROB_BUCKETS, so programs stay few).
+    logprobs: int = -1
 
     def __post_init__(self):
         problems = []
@@ -125,6 +134,10 @@ class DecodeSpec:
             problems.append(f"sub_block_length={self.sub_block_length} needs cache='block' (block diffusion)")
         elif self.editing or self.indel:
             problems.append("token editing (editing_threshold, indel) needs cache='block' (block diffusion)")
+        if self.logprobs != -1 and self.logprobs not in LOGPROB_BUCKETS:
+            problems.append(f"logprobs={self.logprobs} must be -1 (off) or one of {LOGPROB_BUCKETS}")
+        if self.logprobs >= 0 and self.indel:
+            problems.append("logprobs with indel (insert/delete editing moves tokens between slots) is not supported")
         if problems:
             raise ValueError("invalid decoding settings: " + "; ".join(problems))
 
@@ -167,6 +180,49 @@ class DecodeSpec:
         aligned = self.start_block_align or self.cache == "block"
         blocks = jnp.minimum(gen_length_B, self.gen_length) // self.block_length + (1 if aligned else 0)
         return blocks.astype(jnp.int32) * self.iterations_per_block
+
+
+def logprob_bucket(n: int) -> int:
+    """The DecodeSpec.logprobs that serves a request for the top n (0 <= n <= 20) alternatives."""
+    return next(b for b in LOGPROB_BUCKETS if b >= n)
+
+
+def commit_record_init(B: int, Lc: int, spec) -> dict:
+    """The per-row commit record leaves of the loop state (batch on axis 0, canvas positions L):
+    commit_it (B, L) int32: the row's iteration (its own `it`) that wrote the token now at each
+    position, -1 where the decoder never wrote (prompt, pads, undecoded masks, early-stop fill);
+    with spec.logprobs = N >= 0 also commit_lp (B, L) fp32, the written token's log-probability,
+    and with N > 0 top_ids (B, L, N) int32 / top_lp (B, L, N) fp32, the N most probable tokens
+    there (descending; ties: lower id) and their log-probabilities (`commit_record` defines them)."""
+    rec = {"commit_it": jnp.full((B, Lc), -1, jnp.int32)}
+    if spec.logprobs >= 0:
+        rec["commit_lp"] = jnp.zeros((B, Lc), jnp.float32)
+    if spec.logprobs > 0:
+        rec["top_ids"] = jnp.zeros((B, Lc, spec.logprobs), jnp.int32)
+        rec["top_lp"] = jnp.zeros((B, Lc, spec.logprobs), jnp.float32)
+    return rec
+
+
+def commit_record(s, wrote_BS, tok_BS, logits_BSV, start_B, spec) -> dict:
+    """The commit record leaves (`commit_record_init`) after a step that wrote tok_BS where wrote_BS
+    into each row's window [start_b, start_b + S) of the canvas; a rewritten position (editing)
+    takes the values of its last write. The log-probability is log_softmax(logits_BSV) in fp32:
+    the logits the strategy received for that position at this step (the model's output, with the
+    EOS ban of ignore_eos / min_tokens applied), before any temperature, top-k / top-p, credit or
+    Dream filter -- the distribution of the committing step, not a left-to-right likelihood."""
+    S = wrote_BS.shape[1]
+    old = window_slice(s["commit_it"], start_B, S)
+    out = {"commit_it": window_write(s["commit_it"], jnp.where(wrote_BS, s["it"][:, None], old), start_B)}
+    if spec.logprobs < 0:
+        return out
+    lp = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(lp, tok_BS[..., None], axis=-1)[..., 0]
+    out["commit_lp"] = window_write(s["commit_lp"], picked, start_B, wrote_BS)
+    if spec.logprobs > 0:
+        vals, ids = jax.lax.top_k(lp, spec.logprobs)
+        out["top_lp"] = window_write(s["top_lp"], vals, start_B, wrote_BS)
+        out["top_ids"] = window_write(s["top_ids"], ids.astype(jnp.int32), start_B, wrote_BS)
+    return out
 
 
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
@@ -224,7 +280,19 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
 
     with jax.named_scope("denoise_loop"):
         final = jax.lax.while_loop(cond, body, init(canvas_BL, active_B))
-    return final["x"], loop_stats(final, stat_keys)
+    stats = loop_stats(final, stat_keys)
+    stats.update(record_region(final, gen_start, spec.gen_length))
+    return final["x"], stats
+
+
+RECORD_KEYS = ("commit_it", "commit_lp", "top_ids", "top_lp")  # commit_record_init's leaves
+
+
+def record_region(state, gen_start: int, gen_length: int) -> dict:
+    """The commit record leaves of a loop state over the generation region [gen_start, gen_start +
+    gen_length) of the canvas: {commit_it (B, G), commit_lp (B, G), top_ids / top_lp (B, G, N)},
+    those present."""
+    return {k: state[k][:, gen_start:gen_start + gen_length] for k in RECORD_KEYS if k in state}
 
 
 def loop_stats(state, stat_keys) -> dict:
@@ -281,6 +349,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             nfe_partial=jnp.zeros((), jnp.int32), row_nfe=jnp.zeros((B,), jnp.int32),
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
         )
+        state.update(commit_record_init(B, Lc, spec))
         if spec.cache != "none":
             state["kv"] = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
         if spec.strategy == "credit":
@@ -390,6 +459,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                                                    step_B=s["stp"], quota_B=quota, tau_B=tau,
                                                    credit_BSV=s.get("credit"))
             transfer &= active[:, None]
+            new_state.update(commit_record(s, transfer, cand, logits, start_B, spec))
             x_blk = jnp.where(transfer, cand, x_blk)
             x = window_write(x, x_blk, start_B)
             if credit is not None:

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, same_program
+from dinfer_jax.decoding.loop import (ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, record_region,
+                                      same_program)
 
 BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K, H) caches)
 
@@ -87,7 +88,9 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_r
 class RowResult:
     """One finished row: generated ids (cut at the first stop id), the raw generation region, its
     forwards, tokens per forward, edits (block diffusion), whether masks were left (the row hit its
-    iteration bound: non-finite logits, or a model that keeps predicting the mask id)."""
+    iteration bound: non-finite logits, or a model that keeps predicting the mask id), and the
+    commit record over the raw region (engine.row_record, as GenerationResult's, but over all of
+    raw_ids rather than token_ids: callers cut it where they cut the ids)."""
     tag: Any
     token_ids: list[int]
     raw_ids: np.ndarray
@@ -96,6 +99,9 @@ class RowResult:
     steps_per_block: np.ndarray
     edits: int | None
     capped: bool
+    commit_steps: list[int] | None = None
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class RunningBatch:
@@ -113,6 +119,7 @@ class RunningBatch:
         self.knobs = {k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
         self.knobs["threshold"][:] = 1.0
         self.glen = np.full((batch,), spec.gen_length, np.int32)  # each slot's own gen_length
+        self.top_n: list[int | None] = [None] * batch  # each slot's SamplingParams.logprobs
         self._init, self._segment, self._merge, self._init_prefix = generator.segment_programs(spec, gen_start, batch)
         pc = getattr(generator, "prefix_cache", None)
         self.prefix_cache = pc if use_prefix_cache and pc is not None and pc.enabled and spec.cache == "block" else None
@@ -166,6 +173,7 @@ class RunningBatch:
             for k in ROW_KNOBS:
                 self.knobs[k][b] = knob_value(sp, k)
             self.knobs["gen_length"][b] = glen
+            self.top_n[b] = sp.logprobs
             self.slots[b] = tag
             take[b] = True
             used.append(b)
@@ -278,12 +286,19 @@ class RunningBatch:
         return (to_host(s["x"])[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s["blk"]),
                 to_host(s["done"]))
 
+    def progress_record(self) -> dict:
+        """Host copies of the running commit record over the generation region (loop.record_region:
+        commit_it (B, G), and with logprobs commit_lp (B, G), top_ids / top_lp (B, G, N))."""
+        from dinfer_jax.engine import to_host
+        return {k: to_host(v) for k, v in record_region(self.state, self.gen_start, self.spec.gen_length).items()}
+
     def _read(self, rows: list[int]) -> list[RowResult]:
-        from dinfer_jax.engine import row_output, to_host
+        from dinfer_jax.engine import row_output, row_record, to_host
         spec, cfg = self.spec, self.cfg
         s = self.state
         canvas, it = to_host(s["x"]), to_host(s["it"])
         stats = jax.tree_util.tree_map(to_host, loop_stats(s, self._stat_keys()))
+        rec = jax.tree_util.tree_map(to_host, record_region(s, self.gen_start, spec.gen_length))
         out = []
         for b in rows:
             raw = canvas[b, self.gen_start:self.gen_start + int(self.glen[b])]
@@ -291,7 +306,8 @@ class RunningBatch:
             ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs["ignore_eos"][b]))
             out.append(RowResult(self.slots[b], ids, raw, nfe, tpf,
                                  stats["steps_per_block"][b], int(stats["edits"][b]) if "edits" in stats else None,
-                                 bool((raw == cfg.mask_token_id).any())))
+                                 bool((raw == cfg.mask_token_id).any()),
+                                 *row_record(rec, b, len(raw), self.top_n[b])))
             self.slots[b] = None
         return out
 
