@@ -217,7 +217,9 @@ class _HeldGenerator:
         assert self.go.wait(60)
         p = params[0] if isinstance(params, (list, tuple)) else params
         n = len(prompts)
-        return types.SimpleNamespace(raw_ids=np.full((n, p.gen_length), 7, np.int32), nfe=[1] * n, tpf=[1.0] * n)
+        return types.SimpleNamespace(raw_ids=np.full((n, p.gen_length), 7, np.int32), nfe=[1] * n, tpf=[1.0] * n,
+                                     commit_steps=np.zeros((n, p.gen_length), np.int32), token_logprobs=None,
+                                     top_logprobs=None)
 
 
 def _held_app(model, tok, **kw):
