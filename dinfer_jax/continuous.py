@@ -291,6 +291,9 @@ class ContinuousBatcher(Batcher):
         if live:
             with self.running(f"admission of {len(live)} row(s) (B={rb.B})", live):
                 rb.admit([(j, np.asarray(j.prompt_ids, np.int32), j.params) for j in live])
+            now = time.monotonic()
+            for j in live:
+                j.t_admitted = now
             with self.cond:
                 self.stats["admitted"] += len(live)
 
@@ -313,6 +316,7 @@ class ContinuousBatcher(Batcher):
             self.stats["batch_sizes"][rb.running + len(finished)] += 1
             self.stats["max_batch_size"] = max(self.stats["max_batch_size"], rb.running + len(finished))
             self.stats["completed"] += len(finished)
+        self.metrics.observe_batch(rb.running + len(finished), rb.B)
         self._answer_rows(rb, finished, t)
         watched = [(b, j) for b, j in enumerate(rb.slots) if j is not None and (j.events is not None or j.stop)]
         if watched:  # streaming rows get their finished blocks; rows whose stop string is committed end now
@@ -344,7 +348,9 @@ class ContinuousBatcher(Batcher):
                 bl = rb.spec.block_length
                 self._emit_blocks(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl)
                 self._emit(j, a["token_ids"], final=True)
-            self._finish(j, result={**a, "nfe": r.nfe, "tpf": round(r.tpf, 4), "batch_size": rb.B,
+            edits = {} if r.edits is None else {"edits": r.edits}
+            self._observe(j, r.nfe, r.tpf, r.steps_per_block, edits)
+            self._finish(j, result={**a, **edits, "nfe": r.nfe, "tpf": round(r.tpf, 4), "batch_size": rb.B,
                                     "segment_seconds": round(time.perf_counter() - t, 4)})
 
     def _cancel_all(self):

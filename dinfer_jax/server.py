@@ -46,7 +46,9 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from dinfer_jax.decoding import strategies
 from dinfer_jax.engine import MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, ids_until_stop
+from dinfer_jax.serving_metrics import RequestObservation, ServingMetrics, blocks_at_cap
 from dinfer_jax.stop_strings import check_stop, find_stop, held_back, ids_through
 
 log = logging.getLogger("dinfer_jax.server")
@@ -211,6 +213,10 @@ class Job:
     records: bool = False
     sent_ids: int = 0
     record: Optional[tuple] = None
+    # serving_metrics: when the job arrived, was admitted into a batch / segment, sent its first text
+    t_arrival: float = dataclasses.field(default_factory=time.monotonic)
+    t_admitted: Optional[float] = None
+    t_first_token: Optional[float] = None
 
     def expired(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
@@ -276,6 +282,7 @@ class Batcher:
         self.mask_id = mc.mask_token_id
         self.pending: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
+        self.metrics = ServingMetrics()
         self.stats = {"requests": 0, "completed": 0, "failed": 0, "rejected_queue_full": 0, "cancelled": 0,
                       "batches": 0, "max_batch_size": 0, "batch_sizes": collections.Counter(),
                       "generated_tokens": 0, "undecoded_rows": 0, "running_rows": 0, "warmup_programs": 0, "warmup_error": None,
@@ -405,57 +412,59 @@ class Batcher:
         return s
 
     def metrics_text(self) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
+        """Prometheus text exposition format (version 0.0.4): gauges and counters of the scheduler,
+        then the request histograms (serving_metrics; all listed in docs/metrics.md)."""
         from dinfer_jax import compile_cache
         s, cc = self.snapshot(), compile_cache.stats()
         rows = [
-            ("dinfer_queue_depth", "gauge", "prompts waiting to be decoded", s["queue_depth"]),
-            ("dinfer_running_rows", "gauge", "prompts in the batch being decoded", s["running_rows"]),
-            ("dinfer_ready", "gauge", "1 once warmup is done", int(s["ready"])),
-            ("dinfer_requests_total", "counter", "prompts admitted", s["requests"]),
-            ("dinfer_completed_total", "counter", "prompts decoded", s["completed"]),
-            ("dinfer_failed_total", "counter", "prompts whose batch failed", s["failed"]),
-            ("dinfer_cancelled_total", "counter", "prompts dropped before decoding (deadline, client gone, "
+            ("dinfer:queue_depth", "gauge", "prompts waiting to be decoded", s["queue_depth"]),
+            ("dinfer:running_rows", "gauge", "prompts in the batch being decoded", s["running_rows"]),
+            ("dinfer:ready", "gauge", "1 once warmup is done", int(s["ready"])),
+            ("dinfer:requests_total", "counter", "prompts admitted", s["requests"]),
+            ("dinfer:completed_total", "counter", "prompts decoded", s["completed"]),
+            ("dinfer:failed_total", "counter", "prompts whose batch failed", s["failed"]),
+            ("dinfer:cancelled_total", "counter", "prompts dropped before decoding (deadline, client gone, "
                                                   "shutdown)", s["cancelled"]),
-            ("dinfer_rejected_queue_full_total", "counter", "requests answered 503 (queue full)",
+            ("dinfer:rejected_queue_full_total", "counter", "requests answered 503 (queue full)",
              s["rejected_queue_full"]),
-            ("dinfer_batches_total", "counter", "engine batches run", s["batches"]),
-            ("dinfer_generated_tokens_total", "counter", "tokens generated for answered prompts", s["generated_tokens"]),
-            ("dinfer_tokens_per_second", "gauge", "generated tokens per second over the last 60 s",
+            ("dinfer:batches_total", "counter", "engine batches run", s["batches"]),
+            ("dinfer:generated_tokens_total", "counter", "tokens generated for answered prompts", s["generated_tokens"]),
+            ("dinfer:tokens_per_second", "gauge", "generated tokens per second over the last 60 s",
              s["tokens_per_second"]),
-            ("dinfer_compile_cache_hits_total", "counter", "programs read from the persistent compile cache",
+            ("dinfer:compile_cache_hits_total", "counter", "programs read from the persistent compile cache",
              cc["hits"]),
-            ("dinfer_compile_cache_misses_total", "counter", "programs compiled and written to the cache",
+            ("dinfer:compile_cache_misses_total", "counter", "programs compiled and written to the cache",
              cc["misses"]),
-            ("dinfer_compile_seconds_total", "counter", "seconds spent in XLA backend compiles", cc["compile_seconds"]),
-            ("dinfer_undecoded_rows_total", "counter", "answers cut before positions the decoder left masked "
+            ("dinfer:compile_seconds_total", "counter", "seconds spent in XLA backend compiles", cc["compile_seconds"]),
+            ("dinfer:undecoded_rows_total", "counter", "answers cut before positions the decoder left masked "
              "(iteration bound reached)", s["undecoded_rows"]),
-            ("dinfer_scheduler_alive", "gauge", "1 while the scheduler thread runs", int(self.alive())),
-            ("dinfer_scheduler_errors_total", "counter", "exceptions the scheduler loop recovered from",
+            ("dinfer:scheduler_alive", "gauge", "1 while the scheduler thread runs", int(self.alive())),
+            ("dinfer:scheduler_errors_total", "counter", "exceptions the scheduler loop recovered from",
              s["scheduler_errors"]),
-            ("dinfer_watchdog_timeouts_total", "counter", "batches / segments that ran past --watchdog (504s)",
+            ("dinfer:watchdog_timeouts_total", "counter", "batches / segments that ran past --watchdog (504s)",
              s["watchdog_timeouts"]),
-            ("dinfer_compile_timeouts_total", "counter", "background compiles that ran past --compile-watchdog",
+            ("dinfer:compile_timeouts_total", "counter", "background compiles that ran past --compile-watchdog",
              s["compile_timeouts"]),
-            ("dinfer_warmup_programs", "gauge", "programs compiled by --warmup", s["warmup_programs"]),
+            ("dinfer:warmup_programs", "gauge", "programs compiled by --warmup", s["warmup_programs"]),
         ]
         if "background_compiles" in s:
-            rows.append(("dinfer_background_compiles_total", "counter", "programs compiled off the scheduler "
+            rows.append(("dinfer:background_compiles_total", "counter", "programs compiled off the scheduler "
                          "thread while serving", s["background_compiles"]))
         pc = s.get("prefix_cache")
         if pc is not None:
             rows += [
-                ("dinfer_prefix_cache_hit_rate", "gauge", "cached prompt blocks / full prompt blocks looked up",
+                ("dinfer:prefix_cache_hit_rate", "gauge", "cached prompt blocks / full prompt blocks looked up",
                  pc["hit_rate"]),
-                ("dinfer_prefix_cache_blocks_hit_total", "counter", "prompt blocks whose K/V came from the cache",
+                ("dinfer:prefix_cache_blocks_hit_total", "counter", "prompt blocks whose K/V came from the cache",
                  pc["blocks_hit"]),
-                ("dinfer_prefix_cache_bytes", "gauge", "bytes of cached prompt K/V", pc["bytes"]),
-                ("dinfer_prefix_cache_evictions_total", "counter", "blocks evicted (least recently used)",
+                ("dinfer:prefix_cache_bytes", "gauge", "bytes of cached prompt K/V", pc["bytes"]),
+                ("dinfer:prefix_cache_evictions_total", "counter", "blocks evicted (least recently used)",
                  pc["evictions"]),
             ]
         out = []
         for name, kind, help_, v in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(v):g}"]
+        out += self.metrics.lines()
         return "\n".join(out) + "\n"
 
     def _take_batch(self) -> Optional[list[Job]]:
@@ -614,6 +623,10 @@ class Batcher:
                         continue
                     self._emit_blocks(j, gen_BG[b], gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b]), bl)
             observer = send_finished_blocks
+        now = time.monotonic()
+        for j in batch:
+            j.t_admitted = now
+        self.metrics.observe_batch(len(batch), self.cfg.max_batch)
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
                               observer=observer)
         for b, j in enumerate(batch):
@@ -624,7 +637,10 @@ class Batcher:
                 bl = j.params.block_length
                 self._emit_blocks(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl)
                 self._emit(j, a["token_ids"], final=True)
-            self._finish(j, result={**a, "nfe": r.nfe[b], "tpf": round(r.tpf[b], 4), "batch_size": len(batch)})
+            edits = {k: getattr(r, k)[b] for k in ("edits", "inserts", "deletes") if getattr(r, k, None) is not None}
+            self._observe(j, r.nfe[b], r.tpf[b], r.steps_per_block[b], edits)
+            self._finish(j, result={**a, "nfe": r.nfe[b], "tpf": round(r.tpf[b], 4), "batch_size": len(batch),
+                                    **edits})
         with self.cond:
             self.stats["completed"] += len(batch)
 
@@ -658,6 +674,8 @@ class Batcher:
         chunk = self._chunk_ids(job, ids, upto)
         if grew or (final and job.records and chunk[0]):
             delta, job.sent_text = (text[len(job.sent_text):], text) if grew else ("", job.sent_text)
+            if delta and job.t_first_token is None:
+                job.t_first_token = time.monotonic()
             try:
                 job.loop.call_soon_threadsafe(job.events.put_nowait, (delta, *chunk))
             except RuntimeError:  # the request's event loop is closed
@@ -676,6 +694,20 @@ class Batcher:
         steps, lps, tops = job.record
         return list(ids[lo:upto]), [(steps[k], None if lps is None else lps[k], None if tops is None else tops[k])
                                     for k in range(lo, upto)]
+
+    def _observe(self, job: Job, nfe: int, tpf: float, steps_per_block, edits: dict):
+        """Record an answered row in self.metrics (serving_metrics): its times, forwards, tokens per
+        forward, blocks at their step cap and edit counts (edits: {"edits" / "inserts" / "deletes": n})."""
+        now = time.monotonic()
+        spec = job.key
+        blocks, capped = blocks_at_cap(steps_per_block, spec.iterations_per_block,
+                                       spec.strategy not in strategies.SCHEDULED)
+        first = job.t_first_token if job.events is not None else now
+        self.metrics.observe_request(RequestObservation(
+            queue_s=(job.t_admitted or now) - job.t_arrival,
+            first_token_s=None if first is None else first - job.t_arrival, e2e_s=now - job.t_arrival,
+            nfe=int(nfe), tpf=float(tpf), blocks=blocks, blocks_at_cap=capped,
+            **{k: int(v) for k, v in edits.items()}))
 
     def _finish(self, job: Job, result=None, exc=None):
         """Answer a job (any scheduler; once: later answers are ignored): its seed is added to the
@@ -1043,9 +1075,20 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "never retrieved" warning
 
+    def edit_counts(r) -> dict:
+        """A choice's edits / inserts / deletes (extension; models that edit or insert / delete only)."""
+        return {k: r[k] for k in ("edits", "inserts", "deletes") if k in r}
+
     def usage(n_prompt, results):
+        """OpenAI usage, plus (extension) each choice's forwards summed (`nfe`) and, for models that
+        edit, the summed edit counts."""
         n_out = sum(len(r["token_ids"]) for r in results)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        out = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+               "nfe": sum(int(r["nfe"]) for r in results)}
+        for k in ("edits", "inserts", "deletes"):
+            if any(k in r for r in results):
+                out[k] = sum(int(r.get(k, 0)) for r in results)
+        return out
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -1158,7 +1201,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                  "finish_reason": r["finish_reason"],
                  "logprobs": None if req.logprobs is None else completion_logprobs(r["token_ids"], records_of(r)),
                  "token_ids": r["token_ids"], "nfe": r["nfe"], "tpf": r["tpf"],
-                 "undecoded_tokens": r["undecoded"], "seed": r["seed"]}
+                 "undecoded_tokens": r["undecoded"], "seed": r["seed"], **edit_counts(r)}
             if req.return_step_map:
                 c["commit_steps"] = r["commit_steps"]
             return c
@@ -1258,7 +1301,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             out = {"index": i, "message": {"role": "assistant", "content": c["text"]},
                    "finish_reason": c["finish_reason"],
                    "logprobs": chat_logprobs(c["token_ids"], records_of(c)) if req.logprobs else None,
-                   "seed": c["seed"], "nfe": c["nfe"], "tpf": c["tpf"], "undecoded_tokens": c["undecoded"]}
+                   "seed": c["seed"], "nfe": c["nfe"], "tpf": c["tpf"], "undecoded_tokens": c["undecoded"],
+                   **edit_counts(c)}
             if req.return_step_map:
                 out["commit_steps"] = c["commit_steps"]
             return out

@@ -101,7 +101,7 @@ def test_prefix_cache_hits_show_in_stats_and_metrics():
     b.close()
     pc = s["prefix_cache"]
     assert pc["blocks_hit"] >= 3 and 0 < pc["hit_rate"] < 1 and pc["bytes"] > 0, pc
-    assert "dinfer_prefix_cache_hit_rate" in m
+    assert "dinfer:prefix_cache_hit_rate" in m
     for t, r in zip(texts, got):
         want = model.generator.generate([np.asarray(tok.encode(t), np.int32)], sp).token_ids[0]
         assert r["token_ids"] == want, t

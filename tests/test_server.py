@@ -219,7 +219,7 @@ class _HeldGenerator:
         n = len(prompts)
         return types.SimpleNamespace(raw_ids=np.full((n, p.gen_length), 7, np.int32), nfe=[1] * n, tpf=[1.0] * n,
                                      commit_steps=np.zeros((n, p.gen_length), np.int32), token_logprobs=None,
-                                     top_logprobs=None)
+                                     top_logprobs=None, steps_per_block=np.ones((n, 1), np.int32))
 
 
 def _held_app(model, tok, **kw):
@@ -468,10 +468,62 @@ def test_metrics_are_prometheus_text(served):
         if not line.startswith("#"):
             name, v = line.split()
             values[name] = float(v)
-    assert values["dinfer_queue_depth"] == 0 and values["dinfer_running_rows"] == 0
-    assert values["dinfer_generated_tokens_total"] >= 8 and values["dinfer_tokens_per_second"] > 0
-    assert "dinfer_compile_cache_hits_total" in values and values["dinfer_ready"] == 1
-    assert "# TYPE dinfer_generated_tokens_total counter" in r.text
+    assert values["dinfer:queue_depth"] == 0 and values["dinfer:running_rows"] == 0
+    assert values["dinfer:generated_tokens_total"] >= 8 and values["dinfer:tokens_per_second"] > 0
+    assert "dinfer:compile_cache_hits_total" in values and values["dinfer:ready"] == 1
+    assert "# TYPE dinfer:generated_tokens_total counter" in r.text
+
+
+def _metric_values(url) -> dict:
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+def test_request_histograms_count_each_answer(served):
+    """One answered request moves every request histogram by one observation: its forwards and
+    tokens per forward as the response reports them, latencies ordered queue <= first token <= E2E;
+    buckets are cumulative and end at the count."""
+    url, *_ = served
+    before = _metric_values(url)
+    r = httpx.post(f"{url}/v1/completions", timeout=300,
+                   json={"prompt": "the cat", "max_tokens": 8, "ignore_eos": True, "stream": False}).json()
+    after = _metric_values(url)
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    c = r["choices"][0]
+    for h in ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+              "tokens_per_forward", "forwards_per_request"):
+        assert d[f"dinfer:{h}_count"] == 1, h
+        assert d[f'dinfer:{h}_bucket{{le="+Inf"}}'] == 1, h
+        buckets = [v for k, v in after.items() if k.startswith(f"dinfer:{h}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"dinfer:{h}_count"], h
+    assert d["dinfer:forwards_per_request_sum"] == c["nfe"] and r["usage"]["nfe"] == c["nfe"]
+    assert d["dinfer:tokens_per_forward_sum"] == pytest.approx(c["tpf"], abs=1e-4)
+    q, f, e = (d[f"dinfer:{h}_sum"] for h in ("request_queue_time_seconds", "time_to_first_token_seconds",
+                                                "e2e_request_latency_seconds"))
+    assert 0 <= q <= f <= e < 300
+    assert d["dinfer:blocks_total"] >= 1 and 0 <= d["dinfer:blocks_at_cap_total"] <= d["dinfer:blocks_total"]
+    assert d["dinfer:batch_occupancy_count"] >= 1
+
+
+def test_grafana_dashboard_reads_served_metrics(served):
+    """Every metric the dashboard (docs/grafana/dinfer-jax.json) queries is exported, or is one of
+    the scheduler- / model-dependent ones docs/metrics.md lists as conditional."""
+    import json
+    import pathlib
+    import re
+    url, *_ = served
+    root = pathlib.Path(__file__).resolve().parents[1]
+    dash = json.loads((root / "docs/grafana/dinfer-jax.json").read_text())
+    wanted = {re.sub(r"_(bucket|sum|count)$", "", m) for p in dash["panels"] for t in p["targets"]
+              for m in re.findall(r"dinfer:[a-z0-9_]+", t["expr"])}
+    raw = {k.split("{")[0] for k in _metric_values(url)}
+    bases = {re.sub(r"_(bucket|sum|count)$", "", k) for k in raw}  # histograms by their name
+    exported = raw | bases
+    conditional = {"dinfer:prefix_cache_hit_rate", "dinfer:background_compiles_total"}
+    doc = (root / "docs/metrics.md").read_text()
+    assert wanted - exported <= conditional, wanted - exported - conditional
+    for m in wanted | bases:
+        assert f"`{m}`" in doc, f"{m} is not in docs/metrics.md"
 
 
 def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
@@ -504,7 +556,7 @@ def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
                 pass
             time.sleep(0.1)
         assert ready is not None and ready.json() == {"status": "ok"}
-        assert "dinfer_ready 1" in httpx.get(f"{url}/metrics", timeout=10).text
+        assert "dinfer:ready 1" in httpx.get(f"{url}/metrics", timeout=10).text
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "add 123+045="}, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "0168"
         stats = httpx.get(f"{url}/stats", timeout=10).json()

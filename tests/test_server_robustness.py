@@ -308,7 +308,7 @@ def test_watchdog_answers_a_stuck_batch_and_the_server_recovers(scheduler):
         assert r.status_code == 504 and "watchdog" in r.json()["error"]["message"], r.text
         assert time.perf_counter() - t < 2.9  # answered at the bound, before the segment returned
         assert h.status_code == 503 and "stuck" in h.json()["status"]
-        assert "dinfer_watchdog_timeouts_total 1" in httpx.get(f"{s.url}/metrics").text
+        assert "dinfer:watchdog_timeouts_total 1" in httpx.get(f"{s.url}/metrics").text
         time.sleep(2.0)
         ok = httpx.post(f"{s.url}/v1/completions", json=body, timeout=300)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "0168"

@@ -44,6 +44,7 @@ stats (`record_region`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -262,7 +263,7 @@ STAT_KEYS = ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "d
 
 
 def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
-                  active_B, knobs: dict[str, Any], observer_id=None, refresh_rows: int = 0):
+                  active_B, knobs: dict[str, Any], observer_id=None, refresh_rows: tuple[int, ...] = ()):
     """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
 
     canvas_BL: int32 tokens (layout above); pad_B: left pads per row; prompt_len_B: real prompt
@@ -304,22 +305,25 @@ def loop_stats(state, stat_keys) -> dict:
     return stats
 
 
-def refresh_rows_for(batch: int, data_parallel: int = 1) -> int:
-    """How many rows the cached loop's partial full refresh gathers (0: none). Rows reach a block
-    start at different steps (continuous batching, threshold decoding); a step where at most this
-    many rows need the full-canvas forward runs it on those rows only. Off on a data-parallel mesh
-    (the gather would cross devices) and below 4 rows (the saving would not pay the extra compile)."""
-    return batch // 2 if batch >= 4 and data_parallel == 1 else 0
+def refresh_rows_for(batch: int, data_parallel: int = 1) -> tuple[int, ...]:
+    """The row counts (increasing) the cached loop's partial full refresh may gather (empty: none).
+    Rows reach a block start at different steps (continuous batching, threshold decoding); a step
+    where n rows need the full-canvas forward runs it on the smallest gathered size >= n (B/4 from
+    8 rows, B/2 from 4), on all B past the largest. Off on a data-parallel mesh (the gather would
+    cross devices) and below 4 rows (the saving would not pay the extra compile)."""
+    if batch < 4 or data_parallel != 1:
+        return ()
+    return (batch // 4, batch // 2) if batch >= 8 else (batch // 2,)
 
 
 def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
-                   observer_id=None, refresh_rows: int = 0):
+                   observer_id=None, refresh_rows: tuple[int, ...] = ()):
     """The loop's pieces -> (init(canvas_BL, active_B) -> state, body(state) -> state, stat keys).
     Row context (pads, prompt lengths, knobs) comes in as arrays, so a paused state can take new rows
     between segments (decoding/segments.py): every per-row quantity lives in the state or is derived
-    from the row context; the body never mixes rows. refresh_rows = R > 0 (cached modes): a step
-    where 1..R rows need the full-canvas forward gathers those rows into an R-row forward
-    (`refresh_rows_for`); more rows run it on all B."""
+    from the row context; the body never mixes rows. refresh_rows = (R1 < R2 ...) (cached modes): a
+    step where n >= 1 rows need the full-canvas forward gathers them into an Ri-row forward, the
+    smallest Ri >= n (`refresh_rows_for`); more rows than every Ri run it on all B."""
     if spec.cache == "block":
         from dinfer_jax.decoding.block_loop import block_loop_functions
         return block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, Lc, knobs, observer_id)
@@ -400,8 +404,8 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv, s["kv"]))
             return logits, kv, soft_new
 
-        def some_full(_):  # at most refresh_rows rows need it: gather them (need_full rows first)
-            rows = jnp.argsort(~need_full, stable=True)[:refresh_rows]
+        def some_full(R, _):  # at most R rows need it: gather R rows (need_full rows first)
+            rows = jnp.argsort(~need_full, stable=True)[:R]
             take_R = need_full[rows][None, :, None, None, None]
             logits_R, kv_R, soft_R = forward_full(rows)
             logits = jnp.zeros((B, Bk, V), jnp.float32).at[rows].set(logits_R.astype(jnp.float32))
@@ -416,11 +420,14 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         new_state = {}
         if spec.cache == "none":  # every active row runs a full forward; the loop only runs with some active
             logits_full, kv_full, soft_full = full(None)
-        elif refresh_rows and refresh_rows < B:
+        elif refresh_rows and max(refresh_rows) < B:
+            sizes = tuple(sorted(set(refresh_rows)))
             n_full = jnp.sum(need_full)
-            branch = jnp.where(n_full == 0, 0, jnp.where(n_full <= refresh_rows, 1, 2))
-            logits_full, kv_full, soft_full = jax.lax.switch(branch, (no_full, some_full, full), None)
-            new_state["nfe_partial"] = s["nfe_partial"] + (branch == 1).astype(jnp.int32)
+            # 0: none; i in 1..len(sizes): gather sizes[i-1] rows (the smallest size >= n); last: all B
+            branch = jnp.where(n_full == 0, 0, 1 + jnp.sum(n_full > jnp.asarray(sizes, jnp.int32)))
+            branches = (no_full, *(functools.partial(some_full, R) for R in sizes), full)
+            logits_full, kv_full, soft_full = jax.lax.switch(branch, branches, None)
+            new_state["nfe_partial"] = s["nfe_partial"] + ((branch > 0) & (branch <= len(sizes))).astype(jnp.int32)
         else:
             logits_full, kv_full, soft_full = jax.lax.cond(jnp.any(need_full), full, no_full, None)
         logits = logits_full

@@ -48,7 +48,7 @@ def merge_rows(state: dict, fresh: dict, take_B) -> dict:
     return out
 
 
-def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_rows: int = 0):
+def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_rows: tuple[int, ...] = ()):
     """-> (init(params, canvas, pad, plen, active, knobs[, cached_kv, width]) -> state,
            segment(params, state, pad, plen, knobs, max_iters) -> state) as plain functions (jit them;
     `width` static; refresh_rows: loop.loop_functions). With cached_kv (block diffusion only), the prefill computes only the last
