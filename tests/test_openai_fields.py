@@ -2,7 +2,8 @@
 `stop` (text cut before the stop string, ids through the token that completed it, finish "stop";
 the continuous scheduler ends the row as soon as the string is committed: fewer forwards) and `n`
 (n choices per prompt, prompt-major, seed + k each, every choice equal to the same request sent
-alone with that seed); the stop-string helpers against hand-made cases."""
+alone with that seed); the stop-string helpers against hand-made cases; `stream_canvas` (the
+provisional canvas in streamed chunks, docs/openai_fields.md)."""
 from __future__ import annotations
 
 import json
