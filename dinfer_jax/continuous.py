@@ -27,7 +27,8 @@ is ready, admissions prefill in full.
 
 Streaming jobs get each finished block, one chunk per block, at the segment boundary after it is
 decoded (one extra device-to-host read of the running canvas per segment, only while a streaming
-row runs).
+row runs); stream_canvas jobs also get their canvas when it changed since the last segment (plus a
+read of the rows' step counters, only while such a row runs).
 """
 from __future__ import annotations
 
@@ -322,14 +323,15 @@ class ContinuousBatcher(Batcher):
         if watched:  # streaming rows get their finished blocks; rows whose stop string is committed end now
             gen, blk, done = rb.progress()
             rec = rb.progress_record() if any(j.records for _, j in watched) else None
+            its = rb.progress_steps() if any(j.canvas for _, j in watched) else None  # stream_canvas rows only
             bl = rb.spec.block_length
             early = []
             for b, j in watched:
                 if j.records:  # committed blocks' records are final (editing stays inside the current block)
                     j.record = row_record(rec, b, gen.shape[1], j.params.logprobs)
                 n_blocks = gen.shape[1] // bl if done[b] else int(blk[b])
-                if self._emit_blocks(j, gen[b], n_blocks, bl) if j.events is not None else \
-                        self._stopped_early(j, gen[b], n_blocks, bl):
+                if self._stream_row(j, gen[b], n_blocks, bl, None if its is None else int(its[b])) \
+                        if j.events is not None else self._stopped_early(j, gen[b], n_blocks, bl):
                     early.append(b)
             if early:
                 rows = rb.finish(early)
@@ -346,7 +348,7 @@ class ContinuousBatcher(Batcher):
             a = self._answer(r.raw_ids, j, j.record)
             if j.events is not None:
                 bl = rb.spec.block_length
-                self._emit_blocks(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl)
+                self._stream_row(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl, r.nfe)
                 self._emit(j, a["token_ids"], final=True)
             edits = {} if r.edits is None else {"edits": r.edits}
             self._observe(j, r.nfe, r.tpf, r.steps_per_block, edits)

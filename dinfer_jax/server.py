@@ -6,7 +6,8 @@ compiled settings match (gen_length, block_length, strategy, cache, ...) are dec
 one batch (per-request threshold, temperature and seed are per-row values of the same program;
 batches are padded to the engine's shape buckets). The queue is bounded: a full queue answers 503.
 Streaming requests select the program variant with a per-iteration host callback
-(decoding/observe.py); each block is sent as soon as it is decoded.
+(decoding/observe.py); each block is sent as soon as it is decoded. `stream_canvas: true` (dLLM
+extension) adds the provisional canvas to the chunks whenever it changed (docs/openai_fields.md).
 
 dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
 strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
@@ -143,6 +144,7 @@ class CommonFields(DinferFields):
     stop: Optional[Union[str, list[str]]] = None
     user: Optional[str] = None
     return_step_map: Optional[bool] = None  # dLLM extension: each output token's commit step (`commit_steps`)
+    stream_canvas: Optional[bool] = None  # dLLM extension: streamed chunks carry the provisional canvas (`canvas`)
 
 
 class CompletionRequest(CommonFields):
@@ -200,7 +202,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     key: Any  # the compiled settings (DecodeSpec): jobs with equal keys can share a batch
-    events: Optional[asyncio.Queue] = None  # streaming: text deltas
+    events: Optional[asyncio.Queue] = None  # streaming: (text delta, ids, records, CanvasView | None)
     sent_text: str = ""
     sent_blocks: int = 0
     deadline: Optional[float] = None  # time.monotonic() after which the job is not started
@@ -217,9 +219,46 @@ class Job:
     t_arrival: float = dataclasses.field(default_factory=time.monotonic)
     t_admitted: Optional[float] = None
     t_first_token: Optional[float] = None
+    # stream_canvas rows: the canvas last sent (None: none yet), whether a stop string was found (no
+    # canvas after it), and the events `_stream_row` holds back (the canvas goes on the last of them)
+    canvas: bool = False
+    canvas_sent: Optional["CanvasView"] = None
+    stop_hit: bool = False
+    held: Optional[list] = None
 
     def expired(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
+
+
+@dataclasses.dataclass(frozen=True)
+class CanvasView:
+    """A stream_canvas row's provisional canvas as observed: token_ids (n,) int32, the generation
+    region cut to max_tokens (the mask id where still undecided); step: decoder steps the row had run."""
+    token_ids: np.ndarray
+    step: int
+
+
+def canvas_object(view: CanvasView, tokenizer, mask_id: int, stop_ids) -> dict:
+    """The `canvas` extension object of a chunk: {token_ids: [int | None] (n,), None where masked;
+    text: str | None (no tokenizer), the canvas decoded with each masked position rendered as the
+    mask token's text, cut before the first stop id (stop_ids: empty with ignore_eos); masked: int,
+    the masked positions; step: int}."""
+    ids = [int(t) for t in view.token_ids]
+    text = None
+    if tokenizer is not None:
+        placeholder = tokenizer.decode([mask_id], skip_special_tokens=False) or "_"
+        parts, run = [], []
+        for t in ids:
+            if t in stop_ids:
+                break
+            if t == mask_id:
+                parts += [tokenizer.decode(run), placeholder] if run else [placeholder]
+                run = []
+            else:
+                run.append(t)
+        text = "".join(parts) + (tokenizer.decode(run) if run else "")
+    return {"token_ids": [None if t == mask_id else t for t in ids], "text": text,
+            "masked": sum(t == mask_id for t in ids), "step": int(view.step)}
 
 
 def derive_params(d: SamplingParams, upd: dict, max_tokens: int, model_cfg=None) -> SamplingParams:
@@ -617,11 +656,13 @@ class Batcher:
 
             def send_finished_blocks(step, gen_BG, blk_B, done_B, active_B):
                 for b, j in enumerate(batch):
-                    # rows whose chunks carry records (logprobs / step map) are streamed when the
-                    # batch ends: the static program's observer sees tokens, not the record
-                    if j.events is None or j.cancelled or j.records:
+                    # rows whose chunks carry records (logprobs / step map) get their text when the
+                    # batch ends (the static program's observer sees tokens, not the record); their
+                    # canvas streams as any row's. step: the batch's iteration = the row's (0-based)
+                    if j.events is None or j.cancelled or (j.records and not j.canvas):
                         continue
-                    self._emit_blocks(j, gen_BG[b], gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b]), bl)
+                    n = None if j.records else gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b])
+                    self._stream_row(j, gen_BG[b], n, bl, step + 1)
             observer = send_finished_blocks
         now = time.monotonic()
         for j in batch:
@@ -635,7 +676,7 @@ class Batcher:
             a = self._answer(r.raw_ids[b], j, j.record)
             if j.events is not None:
                 bl = j.params.block_length
-                self._emit_blocks(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl)
+                self._stream_row(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl, int(r.nfe[b]))
                 self._emit(j, a["token_ids"], final=True)
             edits = {k: getattr(r, k)[b] for k in ("edits", "inserts", "deletes") if getattr(r, k, None) is not None}
             self._observe(j, r.nfe[b], r.tpf[b], r.steps_per_block[b], edits)
@@ -658,6 +699,40 @@ class Batcher:
                 return hit
         return False
 
+    def _stream_row(self, job: Job, gen_G, finished: Optional[int], bl: int, step: int) -> bool:
+        """Stream what a row shows now: its `finished` blocks' text (`_emit_blocks`; None: no text
+        now) and, for a stream_canvas row, its canvas (gen_G cut to max_tokens) at `step` when it is
+        newer than the last one sent and changed, on the last text event of this call or on an event
+        of its own (none after a stop string was found) -> whether a stop string was found."""
+        if not job.canvas:
+            return finished is not None and self._emit_blocks(job, gen_G, finished, bl)
+        job.held = []
+        try:
+            hit = finished is not None and self._emit_blocks(job, gen_G, finished, bl)
+        finally:
+            held, job.held = job.held, None
+        ids, last = np.array(gen_G[:job.max_tokens], np.int32), job.canvas_sent
+        if not job.stop_hit and (last is None or (step > last.step and not np.array_equal(ids, last.token_ids))):
+            view = job.canvas_sent = CanvasView(ids, step)
+            if held:
+                held[-1] = (*held[-1][:3], view)
+            else:
+                held.append(("", [], [] if job.records else None, view))
+        for event in held:
+            self._put(job, event)
+        return hit
+
+    def _put(self, job: Job, event: tuple):
+        """Hand a stream event (delta, ids, records, CanvasView | None) to the request (held back
+        while `_stream_row` collects the events of one observation)."""
+        if job.held is not None:
+            job.held.append(event)
+            return
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:  # the request's event loop is closed
+            job.cancelled = True
+
     def _emit(self, job: Job, ids: list[int], final: bool = False) -> bool:
         """Send the text of `ids` past what was sent; with stop strings, the text before the first
         one, and (until final) without a tail that may still become one -> whether a stop string
@@ -676,10 +751,8 @@ class Batcher:
             delta, job.sent_text = (text[len(job.sent_text):], text) if grew else ("", job.sent_text)
             if delta and job.t_first_token is None:
                 job.t_first_token = time.monotonic()
-            try:
-                job.loop.call_soon_threadsafe(job.events.put_nowait, (delta, *chunk))
-            except RuntimeError:  # the request's event loop is closed
-                job.cancelled = True
+            self._put(job, (delta, *chunk, None))
+        job.stop_hit |= hit is not None
         return hit is not None
 
     def _chunk_ids(self, job: Job, ids: list[int], upto: int) -> tuple[list[int], Optional[list[tuple]]]:
@@ -936,6 +1009,9 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             raise BadRequest(f"n={n}: must be in [1, {MAX_N}]", "n")
         if n > 1 and req.stream:
             raise BadRequest(f"n={n} with stream=true: a stream carries one choice here; send n requests", "n")
+        if req.stream_canvas and not req.stream:
+            raise BadRequest("stream_canvas needs stream: true (the canvas is only sent in streamed chunks)",
+                             "stream_canvas")
         return n
 
     def sampling(req: CommonFields, max_tokens: int, n_prompts: int = 1, n: int = 1,
@@ -1009,9 +1085,9 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if not batcher.ready.is_set():
             raise BadRequest("the server is warming up (compiling); retry shortly", status=503)
 
-    async def run_jobs(ids_list, params, max_tokens, stream, stop=(), records=False):
+    async def run_jobs(ids_list, params, max_tokens, stream, stop=(), records=False, canvas=False):
         """Queue one job per (prompt, params) pair, all or none. records: stream chunks carry the
-        per-token records (logprobs / step map)."""
+        per-token records (logprobs / step map); canvas: they carry the provisional canvas."""
         admitting()
         if len(ids_list) > cfg.max_queue:
             raise BadRequest(f"{len(ids_list)} prompts in one request exceed this server's queue of "
@@ -1020,7 +1096,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
         jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
                     p.spec_for(model.config),
-                    asyncio.Queue() if stream else None, deadline=deadline, stop=stop, records=records)
+                    asyncio.Queue() if stream else None, deadline=deadline, stop=stop, records=records,
+                    canvas=canvas)
                 for ids, p in zip(ids_list, params)]
         try:
             batcher.submit_all(jobs)
@@ -1185,7 +1262,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             limits(ids, max_tokens, params[0])
         records = req.logprobs is not None or bool(req.return_step_map)
         jobs = await run_jobs([ids for ids in ids_list for _ in range(n)], params, max_tokens, req.stream, stop,
-                              records)
+                              records, bool(req.stream_canvas))
         # echo: the prompt's text before the answer's (text prompts as sent; token ids decoded)
         echoed = [(x if isinstance(x, str) else tokenizer.decode(ids) if tokenizer is not None else "")
                   if req.echo else "" for x, ids in zip(items, ids_list)]
@@ -1209,8 +1286,9 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                 "usage": usage(sum(map(len, ids_list)), results)}
 
     async def stream_events(job, request):
-        """Text deltas until the job finishes; at the deadline or when the client goes away the job
-        is cancelled (the stream then ends with an error event / silently)."""
+        """The job's stream events (text delta, ids, records, CanvasView | None) until it finishes; at
+        the deadline or when the client goes away the job is cancelled (the stream then ends with an
+        error event / silently)."""
         while True:
             get = asyncio.ensure_future(job.events.get())
             try:
@@ -1226,6 +1304,11 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                 yield job.events.get_nowait()
             return
 
+    def canvas_of(job: Job, view: CanvasView) -> dict:
+        """A stream_canvas chunk's `canvas` object (`canvas_object`) for `job`'s view."""
+        stops = () if job.params.ignore_eos else batcher.stop_ids
+        return canvas_object(view, tokenizer, model.config.mask_token_id, stops)
+
     def stream_error(e: Exception) -> str:
         if isinstance(e, BadRequest):
             return sse({"error": {"message": e.message, "type": "timeout" if e.status == 504 else "server_error"}})
@@ -1236,12 +1319,14 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             if echoed:
                 yield sse({**base, "choices": [{"index": 0, "text": echoed, "finish_reason": None, "logprobs": None}]})
             sent: list[int] = []
-            async for delta, ids, recs in stream_events(job, request):
+            async for delta, ids, recs, view in stream_events(job, request):
                 c = {"index": 0, "text": delta, "finish_reason": None, "logprobs": None}
                 if req.logprobs is not None:
                     c["logprobs"] = completion_logprobs(ids, recs, sent, len(echoed))
                 if req.return_step_map:
                     c["commit_steps"] = [r[0] for r in recs]
+                if view is not None:
+                    c["canvas"] = canvas_of(job, view)
                 sent += ids
                 yield sse({**base, "choices": [c]})
             r = job.future.result()
@@ -1290,7 +1375,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         ids = await asyncio.to_thread(render)
         limits(ids, max_tokens, params[0])
         jobs = await run_jobs([ids] * n, params, max_tokens, req.stream, stop,
-                              bool(req.logprobs) or bool(req.return_step_map))
+                              bool(req.logprobs) or bool(req.return_step_map), bool(req.stream_canvas))
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}
         if req.stream:
             return StreamingResponse(stream_chat(jobs[0], base, len(ids), req, request), media_type="text/event-stream")
@@ -1315,12 +1400,14 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]})
         try:
-            async for delta, ids, recs in stream_events(job, request):
+            async for delta, ids, recs, view in stream_events(job, request):
                 c = {"index": 0, "delta": {"content": delta}, "finish_reason": None}
                 if req.logprobs:
                     c["logprobs"] = chat_logprobs(ids, recs)
                 if req.return_step_map:
                     c["commit_steps"] = [r[0] for r in recs]
+                if view is not None:
+                    c["canvas"] = canvas_of(job, view)
                 yield sse({**chunk, "choices": [c]})
             r = job.future.result()
         except ClientGone:

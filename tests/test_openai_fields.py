@@ -2,7 +2,8 @@
 `stop` (text cut before the stop string, ids through the token that completed it, finish "stop";
 the continuous scheduler ends the row as soon as the string is committed: fewer forwards) and `n`
 (n choices per prompt, prompt-major, seed + k each, every choice equal to the same request sent
-alone with that seed); the stop-string helpers against hand-made cases."""
+alone with that seed); the stop-string helpers against hand-made cases; `stream_canvas` (the
+provisional canvas in streamed chunks, docs/openai_fields.md)."""
 from __future__ import annotations
 
 import json
@@ -234,3 +235,128 @@ def test_logprobs_refusals(server, path, extra, param):
     r = httpx.post(f"{s.url}{path}", json={**body, "max_tokens": 8, **extra}, timeout=600)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+# ---- stream_canvas (dLLM extension): the provisional canvas in streamed chunks
+
+MASK_TEXT = "<|mdm_mask|>"  # the demo tokenizer's mask token
+
+
+@pytest.mark.smoke
+def test_canvas_object_shape():
+    import numpy as np
+
+    from dinfer_jax.server import CanvasView, canvas_object
+    from dinfer_jax.tokenizer import char_tokenizer
+    tok = char_tokenizer()
+    eos, mask = 0, 1
+    a, b, c = tok.encode("abc")
+    view = CanvasView(np.array([a, mask, b, mask, mask, eos, c], np.int32), 3)
+    got = canvas_object(view, tok, mask, {eos})
+    assert got == {"token_ids": [a, None, b, None, None, eos, c], "text": f"a{MASK_TEXT}b{MASK_TEXT}{MASK_TEXT}",
+                   "masked": 3, "step": 3}
+    assert canvas_object(view, tok, mask, ())["text"] == f"a{MASK_TEXT}b{MASK_TEXT}{MASK_TEXT}c"  # ignore_eos
+    assert canvas_object(view, None, mask, {eos})["text"] is None  # no tokenizer: ids only
+
+
+def _stream_choices(s, body, path="/v1/completions") -> list[dict]:
+    """The first choice of every streamed chunk that has one (the usage chunk has none)."""
+    out = []
+    with httpx.stream("POST", f"{s.url}{path}", json={**body, "stream": True}, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                out += chunk["choices"][:1]
+    return out
+
+
+def _check_canvases(canvases: list[dict], final_ids: list[int], n: int, tok):
+    """What every canvas stream of the demo model (threshold decoding, no editing) shows: n
+    positions, masked = the nulls, the text rendered from the ids, steps rising, masked never
+    growing, a filled position never changing (its final token), the last canvas complete."""
+    assert canvases, "no canvas event"
+    assert any(v["masked"] > 0 for v in canvases), "no canvas with masked positions before the end"
+    for v in canvases:
+        ids = v["token_ids"]
+        assert len(ids) == n and v["masked"] == ids.count(None)
+        assert v["text"] == "".join(MASK_TEXT if t is None else tok.decode([t]) for t in ids)
+        assert all(t is None or t == f for t, f in zip(ids, final_ids)), (ids, final_ids)
+    steps = [v["step"] for v in canvases]
+    assert steps == sorted(set(steps)) and steps[0] >= 1, steps
+    masked = [v["masked"] for v in canvases]
+    assert masked == sorted(masked, reverse=True), masked
+    assert canvases[-1]["masked"] == 0 and canvases[-1]["token_ids"] == final_ids
+
+
+CANVAS_BODY = {"prompt": PROMPT, "max_tokens": 64, "block_length": 4, "ignore_eos": True}
+# 16 blocks: at least 16 steps, so even the continuous scheduler (a read every 8 steps) shows masks
+
+
+def test_stream_canvas_completions(server):
+    s, sched, tok = server
+    want = _post(s, {**CANVAS_BODY, "return_step_map": True})["choices"][0]
+    assert len(want["token_ids"]) == 64
+    chs = _stream_choices(s, {**CANVAS_BODY, "stream_canvas": True})
+    assert "".join(c["text"] for c in chs) == want["text"]  # the committed text: the plain answer
+    assert chs[-1]["finish_reason"] == "length" and "canvas" not in chs[-1]
+    canvases = [c["canvas"] for c in chs if "canvas" in c]
+    _check_canvases(canvases, want["token_ids"], 64, tok)
+    # the canvas at step k holds exactly the tokens committed before step k (commit_steps is 0-based)
+    for v in canvases:
+        assert [t is not None for t in v["token_ids"]] == [k < v["step"] for k in want["commit_steps"]]
+    # the committed text never runs ahead of the canvas it comes with
+    sent = ""
+    for c in chs:
+        sent += c["text"]
+        if "canvas" in c:
+            ids = c["canvas"]["token_ids"]
+            filled = ids.index(None) if None in ids else len(ids)
+            assert len(sent) <= filled  # one character per demo token
+    # with the step map (static: the text comes at the end, the canvas still per step): the same canvases
+    rec = _stream_choices(s, {**CANVAS_BODY, "stream_canvas": True, "return_step_map": True})
+    assert [c["canvas"] for c in rec if "canvas" in c] == canvases
+    assert sum((c.get("commit_steps", []) for c in rec), []) == want["commit_steps"]
+    # without stream_canvas: no canvas, and the same text chunks
+    plain = _stream_choices(s, CANVAS_BODY)
+    assert all("canvas" not in c for c in plain)
+    assert [c["text"] for c in plain if c["text"]] == [c["text"] for c in chs if c["text"]]
+    # the openai client parses the chunks; the canvas is an extra field of the choice
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none")
+    text, got = "", []
+    extra = {k: v for k, v in CANVAS_BODY.items() if k in ("block_length", "ignore_eos")}
+    for chunk in client.completions.create(model="demo", prompt=PROMPT, max_tokens=64, stream=True,
+                                           extra_body={**extra, "stream_canvas": True}):
+        text += chunk.choices[0].text
+        if getattr(chunk.choices[0], "canvas", None) is not None:
+            got.append(chunk.choices[0].canvas)
+    assert text == want["text"] and got == canvases
+
+
+def test_stream_canvas_chat(server):
+    s, sched, tok = server
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 64, "block_length": 4,
+            "ignore_eos": True}
+    want = _post(s, body, "/v1/chat/completions")["choices"][0]["message"]["content"]
+    chs = _stream_choices(s, {**body, "stream_canvas": True}, "/v1/chat/completions")
+    assert "".join(c["delta"].get("content") or "" for c in chs) == want
+    canvases = [c["canvas"] for c in chs if "canvas" in c]
+    final = canvases[-1]["token_ids"]
+    assert tok.decode(final) == want
+    _check_canvases(canvases, final, 64, tok)
+    assert all("canvas" not in c for c in _stream_choices(s, body, "/v1/chat/completions"))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra", [{"stream_canvas": True}, {"stream_canvas": True, "stream": False},
+                                   {"stream_canvas": "yes", "stream": True}])
+def test_stream_canvas_refusals(server, path, extra):
+    s, sched, tok = server
+    body = ({"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": PROMPT}]})
+    r = httpx.post(f"{s.url}{path}", json={**body, "max_tokens": 8, **extra}, timeout=600)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stream_canvas", r.json()
+    ok = httpx.post(f"{s.url}{path}", json={**body, "max_tokens": 8, "stream_canvas": False}, timeout=600)
+    assert ok.status_code == 200 and "canvas" not in ok.text

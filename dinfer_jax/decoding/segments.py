@@ -286,6 +286,11 @@ class RunningBatch:
         return (to_host(s["x"])[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s["blk"]),
                 to_host(s["done"]))
 
+    def progress_steps(self) -> np.ndarray:
+        """Host copy of each row's decoder steps since its admission (B,) int32 (the state's `it`)."""
+        from dinfer_jax.engine import to_host
+        return to_host(self.state["it"])
+
     def progress_record(self) -> dict:
         """Host copies of the running commit record over the generation region (loop.record_region:
         commit_it (B, G), and with logprobs commit_lp (B, G), top_ids / top_lp (B, G, N))."""
