@@ -16,6 +16,7 @@ import numpy as np
 
 from dinfer_jax import families
 from dinfer_jax.config import ConfigError
+from dinfer_jax.canvas_template import template_classes, template_region
 from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import (CACHES, KNOBS, LOGPROB_BUCKETS, ROW_KNOBS, DecodeSpec, bucket_gen_length,
@@ -566,29 +567,40 @@ class Generator:
         gen_start = _bucket_len(max_prompt_len + spec.head_room)
         return ProgramShape(batch, gen_start, gen_start + spec.gen_length + spec.tail_room)
 
-    def program_args(self, shape: ProgramShape) -> tuple:
+    def program_args(self, shape: ProgramShape, constraint_classes: int = 0) -> tuple:
         """The generate program's arguments as ShapeDtypeStructs (with the model's shardings): params,
-        canvas (B, Lc) int32, pad / plen (B,) int32, active (B,) bool, knobs {k: (B,)}, observer id ()."""
+        canvas (B, Lc) int32, pad / plen (B,) int32, active (B,) bool, knobs {k: (B,)}, observer id ().
+        constraint_classes C > 0 (canvas templates): knobs also hold allow_class (B, Lc) int32 and
+        allowed (B, C, V) bool (decoding/constraint.py)."""
         m, B = self.model, shape.batch
         sd = jax.ShapeDtypeStruct
         row = lambda dt: sd((B,), dt, sharding=m.batch_sharding((B,)))
         knobs = {k: row(np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
+        if constraint_classes:
+            V = m.config.vocab_size
+            knobs["allow_class"] = sd((B, shape.canvas_length), np.int32, sharding=m.batch_sharding((B, 1)))
+            knobs["allowed"] = sd((B, constraint_classes, V), np.bool_, sharding=m.batch_sharding((B, 1, 1)))
         return (m.abstract_params(), sd((B, shape.canvas_length), np.int32, sharding=m.batch_sharding((B, 1))),
                 row(np.int32), row(np.int32), row(np.bool_), knobs, sd((), np.int32, sharding=m.replicated()))
 
-    def abstract_program(self, n_rows: int, prompt_len: int, params: SamplingParams, observe: bool = False):
+    def abstract_program(self, n_rows: int, prompt_len: int, params: SamplingParams, observe: bool = False,
+                         constraint_classes: int = 0):
         """(jitted program, its ShapeDtypeStruct args, spec, ProgramShape) for n_rows prompts of
-        prompt_len tokens: what `generate` would run, from shapes alone (lower / compile it anywhere)."""
+        prompt_len tokens: what `generate` would run, from shapes alone (lower / compile it anywhere).
+        constraint_classes: a canvas-template program (DecodeSpec.constraint_classes)."""
         if n_rows <= 0 or prompt_len <= 0:
             raise InvalidParam("batch", f"batch={n_rows} and prompt_len={prompt_len} must be positive")
         spec = params.spec_for(self.model.config)
         self._check_spec(spec)
         if observe:
             spec = dataclasses.replace(spec, observe=True)
+        if constraint_classes:
+            spec = constrained_spec(spec, constraint_classes)
         shape = self.program_shape(n_rows, prompt_len, spec)
-        return self._program(spec, shape.gen_start), self.program_args(shape), spec, shape
+        return (self._program(spec, shape.gen_start), self.program_args(shape, spec.constraint_classes), spec,
+                shape)
 
-    def _prepare(self, prompts, params, observe: bool = False, observer_id: int = 0):
+    def _prepare(self, prompts, params, observe: bool = False, observer_id: int = 0, templates=None):
         cfg = self.model.config
         rows = _prompt_rows(prompts, self.model.check_ids)
         for i, r in enumerate(rows):
@@ -601,6 +613,11 @@ class Generator:
         bad = [type(p).__name__ for p in per_row if not isinstance(p, SamplingParams)]
         if bad:
             raise InvalidParam("params", f"params must be SamplingParams (or a list of them), got {bad[0]}")
+        n_classes = 0
+        if templates is not None:
+            templates = self._check_templates(templates, len(rows))
+            per_row = templated_params(per_row, templates)
+            n_classes = template_classes(templates)
         spec = per_row[0].spec_for(cfg)
         for i, p in enumerate(per_row[1:], 1):
             other = p.spec_for(cfg)
@@ -608,7 +625,8 @@ class Generator:
                 diff = [f.name for f in dataclasses.fields(spec) if getattr(spec, f.name) != getattr(other, f.name)]
                 raise ValueError(f"prompts in one batch must share the compiled settings; prompt {i} differs in "
                                  f"{diff} (only {', '.join(KNOBS)} may differ per prompt)")
-        prog, sds, spec, shape = self.abstract_program(len(rows), max(len(r) for r in rows), per_row[0], observe)
+        prog, sds, spec, shape = self.abstract_program(len(rows), max(len(r) for r in rows), per_row[0], observe,
+                                                       n_classes)
         B, gen_start = shape.batch, shape.gen_start
         canvas = np.full((B, shape.canvas_length), cfg.pad_id, np.int32)
         pad = np.full((B,), gen_start, np.int32)
@@ -620,17 +638,55 @@ class Generator:
         active = np.arange(B) < len(rows)
         knobs = {k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
                              np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
+        if n_classes:
+            knobs["allow_class"] = np.zeros((B, shape.canvas_length), np.int32)
+            knobs["allowed"] = np.ones((B, spec.constraint_classes, cfg.vocab_size), bool)
+            G = spec.gen_length
+            for b, t in enumerate(templates):
+                canvas[b, gen_start:gen_start + G], knobs["allow_class"][b, gen_start:gen_start + G] = \
+                    template_region(t, G, cfg.mask_token_id, cfg.eos_id)
+                if t is not None:
+                    knobs["allowed"][b] = t.arrays(cfg.vocab_size, cfg.mask_token_id, spec.constraint_classes)[1]
         put = self.model.place
         host = (canvas, pad, plen, active, knobs, np.int32(observer_id))
         args = (self.model.params,) + jax.tree_util.tree_map(put, host, sds[1:])
         return prog, args, rows, spec, gen_start
 
+    def _check_templates(self, templates, n: int) -> list:
+        """One CanvasTemplate (or None) per prompt, its fixed ids and token sets inside the vocabulary."""
+        from dinfer_jax.canvas_template import CanvasTemplate
+        cfg = self.model.config
+        templates = list(templates)
+        if len(templates) != n:
+            raise InvalidParam("templates", f"{len(templates)} templates for {n} prompts (give one per prompt, "
+                                            f"None for a prompt without one)")
+        for i, t in enumerate(templates):
+            if t is None:
+                continue
+            if not isinstance(t, CanvasTemplate):
+                raise InvalidParam("templates", f"template {i} must be a CanvasTemplate or None, got "
+                                                f"{type(t).__name__}")
+            ids = [x for x in t.tokens if x >= 0] + [x for s in t.sets for x in s]
+            bad = [x for x in ids if x >= cfg.vocab_size or x == cfg.mask_token_id]
+            if bad:
+                raise InvalidParam("templates", f"template {i} holds token id {bad[0]}: outside the vocabulary "
+                                                f"({cfg.vocab_size}) or the mask id")
+            if any(s == (cfg.mask_token_id,) for s in t.sets):
+                raise InvalidParam("templates", f"template {i} has a position that allows only the mask id")
+        if all(t is None for t in templates):
+            raise InvalidParam("templates", "every template is None (pass templates=None instead)")
+        return templates
+
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 observer=None) -> GenerationResult:
+                 observer=None, templates=None) -> GenerationResult:
         """Decode a batch. params: one SamplingParams for all prompts, or one per prompt (they must
         share the compiled settings; KNOBS such as threshold, temperature and seed may differ).
         observer: fn(step, gen_BG, blk_B, done_B, active_B) called on the host after every loop
-        iteration (decoding/observe.py); it selects a program variant with one callback per step."""
+        iteration (decoding/observe.py); it selects a program variant with one callback per step.
+        templates: one canvas_template.CanvasTemplate (or None) per prompt: the generation region
+        is laid out by it (gen_length: the longest template in whole blocks; no early stop) and a
+        templated row's token_ids are the template's T ids, fixed ones included (`fills` cuts out
+        the slots)."""
         if params is None:  # the model's family / folder defaults (SamplingParams.for_model)
             params = SamplingParams.for_model(self.model.config, self.model.folder)
         oid = 0
@@ -638,7 +694,7 @@ class Generator:
             from dinfer_jax.decoding import observe
             oid = observe.register(observer)
         try:
-            prog, args, rows, spec, gen_start = self._prepare(prompts, params, observer is not None, oid)
+            prog, args, rows, spec, gen_start = self._prepare(prompts, params, observer is not None, oid, templates)
             per_row = list(params) if isinstance(params, (list, tuple)) else [params] * len(rows)
             t = time.perf_counter()
             with jax.profiler.TraceAnnotation("dinfer_generate"):
@@ -659,6 +715,8 @@ class Generator:
         out, tpf = [], []
         for b in range(n):
             ids, t = row_output(raw[b], int(stats["row_nfe"][b]), cfg, per_row[b].ignore_eos)
+            if templates is not None and templates[b] is not None:
+                ids = raw[b, :len(templates[b])].tolist()
             out.append(ids)
             tpf.append(t)
         edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
@@ -671,6 +729,26 @@ class Generator:
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
                                 edits, ins, dels, subf, int(stats.get("nfe_partial", 0)),
                                 [r[0] for r in recs], lp, [r[2] for r in recs] if lp is not None else None)
+
+
+def templated_params(per_row: list, templates: list) -> list:
+    """The rows' SamplingParams for a templated batch: gen_length the templates' region (the longest
+    template in whole blocks, Dream's one-block convention kept), no early stop (EOS in one slot
+    must not wipe later slots), steps None unless given."""
+    from dinfer_jax.canvas_template import template_gen_length
+    p0 = per_row[0]
+    glen = template_gen_length(templates, p0.block_length)
+    whole = p0.block_length == p0.gen_length  # one block over the whole region (Dream): keep it so
+    return [dataclasses.replace(p, gen_length=glen, early_stop=False,
+                                block_length=glen if whole else p.block_length) for p in per_row]
+
+
+def constrained_spec(spec: DecodeSpec, n_classes: int) -> DecodeSpec:
+    """spec with canvas-template constraints of n_classes classes, or InvalidParam."""
+    try:
+        return dataclasses.replace(spec, constraint_classes=n_classes)
+    except ValueError as e:
+        raise InvalidParam("indel" if spec.indel else "templates", str(e)) from None
 
 
 def knob_value(p: SamplingParams, k: str) -> float:
@@ -744,7 +822,7 @@ def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int
 
 
 def generate(model, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
-             observer=None) -> GenerationResult:
+             observer=None, templates=None) -> GenerationResult:
     """Decode prompts with the model's compiled-program cache (`model.generator`); see
-    `Generator.generate` for per-prompt params and the observer."""
-    return model.generator.generate(prompts, params, observer=observer)
+    `Generator.generate` for per-prompt params, the observer and canvas templates."""
+    return model.generator.generate(prompts, params, observer=observer, templates=templates)

@@ -119,6 +119,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.cache import empty_cache, window_slice, window_write
+from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.strategies import forbid_eos, rank_desc
 
 
@@ -477,6 +478,9 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         with jax.named_scope("strategy"):
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
             logits = forbid_eos(logits, blk_idx - gen_start, spec.eos_id, knobs)  # ignore_eos / min_tokens
+            if spec.constraint_classes:  # canvas templates (decoding/constraint.py)
+                logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
+                                          x_blk)
             n_B = None
             if spec.steps_per_block:
                 n_B = jnp.maximum(knobs["num_to_transfer"].astype(jnp.int32),
@@ -516,7 +520,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             has_eos |= has_eot & (knobs["ignore_eos"] <= 0)
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
-        x = jnp.where(fill, spec.eos_id, x)
+        x = jnp.where(fill & (x == M), spec.eos_id, x)  # only masks: a template's fixed tokens stay
         last = s["blk"] + 1 >= n_blocks_B
         done = s["done"] | stop_now | (finished & last)
         spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s["blk"][:, None]),

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding import strategies as st
+from dinfer_jax.decoding.constraint import constrain_logits
 
 CACHES = ("none", "prefix", "dual", "vicinity", "block")  # "block": block diffusion (decoding/block_loop.py)
 LOGPROB_BUCKETS = (0, 5, 20)  # DecodeSpec.logprobs values: top-N alternatives recorded (a request's N rounds up)
@@ -85,6 +86,9 @@ class DecodeSpec:
     # Per-token log-probabilities (`commit_record`): -1 off; N >= 0 records each committed token's
     # logprob and the top N alternatives (N one of LOGPROB_BUCKETS, so programs stay few).
     logprobs: int = -1
+    # Canvas templates (decoding/constraint.py): C > 0 adds per-position token sets of C classes
+    # (knobs allow_class / allowed); 0: unconstrained.
+    constraint_classes: int = 0
 
     def __post_init__(self):
         problems = []
@@ -139,6 +143,11 @@ class DecodeSpec:
             problems.append(f"logprobs={self.logprobs} must be -1 (off) or one of {LOGPROB_BUCKETS}")
         if self.logprobs >= 0 and self.indel:
             problems.append("logprobs with indel (insert/delete editing moves tokens between slots) is not supported")
+        if self.constraint_classes < 0 or self.constraint_classes == 1:
+            problems.append(f"constraint_classes={self.constraint_classes} must be 0 (off) or >= 2")
+        elif self.constraint_classes and self.indel:
+            problems.append("a canvas template (infill, structured output) does not combine with indel "
+                            "(insert/delete editing moves tokens across the template's fixed positions)")
         if problems:
             raise ValueError("invalid decoding settings: " + "; ".join(problems))
 
@@ -457,6 +466,9 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 tau = jnp.maximum(1.0 - 0.02 * s["it"].astype(jnp.float32), tau)
             keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
             logits = st.forbid_eos(logits, start_B[:, None] + jnp.arange(Bk)[None, :] - gen_start, spec.eos_id, knobs)
+            if spec.constraint_classes:
+                logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
+                                          x_blk)
             if spec.strategy == st.DREAM:
                 frac, k = st.dream_schedule(knobs["eps"], spec.steps_per_block, s["stp"], jnp.sum(masked, axis=-1))
                 cand, transfer = st.dream_decide(spec.alg, logits, x_blk, M, knobs, keys_B=keys, frac_B=frac, k_B=k)
@@ -483,7 +495,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                    else jnp.zeros((B,), bool))
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= block_end[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
-        x = jnp.where(fill, spec.eos_id, x)
+        x = jnp.where(fill & (x == M), spec.eos_id, x)  # only masks: a template's fixed tokens stay
         last = s["blk"] + 1 >= n_blocks_B
         done = s["done"] | stop_now | (finished & last)
         spb = s["steps_per_block"]
