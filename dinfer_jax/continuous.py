@@ -29,6 +29,11 @@ Streaming jobs get each finished block, one chunk per block, at the segment boun
 decoded (one extra device-to-host read of the running canvas per segment, only while a streaming
 row runs); stream_canvas jobs also get their canvas when it changed since the last segment (plus a
 read of the rows' step counters, only while such a row runs).
+
+Templated jobs (a canvas template: infill suffix, response_format / structured_outputs) run as
+whole static batches (`Batcher._decode`, grouped by compiled settings) between segments: their
+program carries the per-position token sets, which the running batches' programs do not; while
+one runs, the running batches wait for it (a known cost, bounded by one templated generation).
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ class ContinuousBatcher(Batcher):
         block_causal = generator.model.config.attention_mask == "block_causal"  # the only exact reuse
         generator.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 2 ** 20) if block_causal else 0)
         self.batches: list = []
+        self.templated: list = []  # jobs with a canvas template: decoded as whole static batches (module doc)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dinfer-compile")
         self._compiling: dict = {}  # program key -> Future (background compiles)
         self._compile_started: dict = {}  # program key -> monotonic start (the watchdog reads it)
@@ -182,6 +188,9 @@ class ContinuousBatcher(Batcher):
         rest, new_batches, bad = collections.deque(), [], []
         while self.pending:
             j = self.pending.popleft()
+            if j.constraint is not None:
+                self.templated.append(j)
+                continue
             try:
                 rb = self._place(j, free, new_batches)
             except Exception as e:  # e.g. InvalidParam: this job's settings; the others go on
@@ -217,7 +226,7 @@ class ContinuousBatcher(Batcher):
         return min(fits, key=lambda r: r.gen_start) if fits else None
 
     def _has_work(self) -> bool:
-        return bool(self.pending) or any(rb.running or (rb.waiting and (rb.compiling is None or rb.compiling.done()))
+        return bool(self.pending) or bool(self.templated) or any(rb.running or (rb.waiting and (rb.compiling is None or rb.compiling.done()))
                                          for rb in self.batches)
 
     def _run(self):
@@ -238,6 +247,7 @@ class ContinuousBatcher(Batcher):
                     self._admit_waiting(rb)
                 except Exception as e:  # its rows and waiting jobs fail; the other batches go on
                     self._fail_batch(rb, e)
+            self._run_templated()
             for rb in list(self.batches):
                 if rb.running:
                     try:
@@ -250,6 +260,23 @@ class ContinuousBatcher(Batcher):
                 self.batches = [rb for rb in self.batches if (rb.running or rb.waiting) and not rb.failed]
                 self.stats["running_rows"] = sum(rb.running for rb in self.batches)
                 self.stats["waiting_for_compile"] = sum(len(rb.waiting) for rb in self.batches)
+
+    def _run_templated(self):
+        """Decode the waiting templated jobs (infill, structured output) as static batches, grouped by
+        compiled settings, between segments of the running batches."""
+        with self.cond:
+            jobs, self.templated = self.templated, []
+        groups = collections.OrderedDict()
+        for j in jobs:
+            groups.setdefault(j.key, []).append(j)
+        for group in groups.values():
+            for i in range(0, len(group), self.cfg.max_batch):
+                part = group[i:i + self.cfg.max_batch]
+                try:
+                    with self.running(f"templated batch of {len(part)}", part):
+                        self._decode(part)
+                except Exception as e:
+                    self._fail(part, e)
 
     def _fail(self, jobs, exc: Exception):
         with self.cond:
@@ -362,6 +389,7 @@ class ContinuousBatcher(Batcher):
                 if j is not None:
                     self._finish(j, exc=exc)
         self._compiler.shutdown(wait=False, cancel_futures=True)
-        for j in self.pending:
+        for j in list(self.pending) + self.templated:
             self._finish(j, exc=exc)
         self.pending.clear()
+        self.templated = []

@@ -26,7 +26,8 @@ from dinfer_jax.canvas_template import TemplateBuilder
 from dinfer_jax.token_classes import VocabClasses
 
 W_INT, W_FRAC, W_STR, MAX_STR, MAX_ITEMS = 6, 3, 16, 64, 32
-FREE_OBJECT_MEMBERS = 4  # response_format json_object: up to this many "key": "value" members
+# response_format json_object: (members, string tokens) tried in turn, the first that fits is used
+FREE_OBJECT_SHAPES = ((4, 16), (3, 12), (2, 8), (1, 8), (1, 4), (1, 1))
 _IGNORED = {"title", "description", "$schema", "$id", "default", "examples", "$comment", "additionalProperties",
             "required", "readOnly", "writeOnly", "deprecated"}
 _UNSUPPORTED = ("$ref", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "pattern", "format",
@@ -58,8 +59,15 @@ def json_schema_template(schema, vocab: VocabClasses, encode, max_positions: int
     """-> (CanvasTemplate, render(ids) -> JSON text) for `schema` (a dict; None: any JSON object,
     the response_format json_object). encode: text -> ids (the skeleton's tokens). SchemaError
     when the schema cannot be expressed or its template exceeds max_positions."""
-    ctx = _Ctx(vocab, encode, TemplateBuilder())
-    render = _free_object(ctx) if schema is None else _node(ctx, schema, "$")
+    if schema is None:  # any object: the most members / the longest strings that fit max_positions
+        for members, width in FREE_OBJECT_SHAPES:
+            ctx = _Ctx(vocab, encode, TemplateBuilder())
+            render = _free_object(ctx, members, width)
+            if len(ctx.b.tokens) <= max_positions:
+                break
+    else:
+        ctx = _Ctx(vocab, encode, TemplateBuilder())
+        render = _node(ctx, schema, "$")
     template = ctx.b.build()
     if len(template) > max_positions:
         raise SchemaError("maxLength", f"the schema's template needs {len(template)} tokens, more than the "
@@ -136,16 +144,16 @@ def _object(ctx: _Ctx, schema, path: str) -> Render:
     return render
 
 
-def _free_object(ctx: _Ctx) -> Render:
-    """Any JSON object (response_format json_object): up to FREE_OBJECT_MEMBERS string members; a
-    member whose key is empty is dropped."""
+def _free_object(ctx: _Ctx, n_members: int, width: int) -> Render:
+    """Any JSON object (response_format json_object): up to n_members members, string keys and
+    values of at most `width` tokens; a member whose key is empty is dropped."""
     _fixed(ctx, "{")
     members = []
-    for i in range(FREE_OBJECT_MEMBERS):
+    for i in range(n_members):
         _fixed(ctx, (", " if i else "") + '"')
-        key = ctx.b.slot(_string_positions(ctx, 0, W_STR))
+        key = ctx.b.slot(_string_positions(ctx, 0, width))
         _fixed(ctx, '": ')
-        members.append((key, _string(ctx, {}, "$")))
+        members.append((key, _string(ctx, {"maxLength": width}, "$")))
     _fixed(ctx, "}")
 
     def render(ids):

@@ -48,7 +48,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dinfer_jax.decoding import strategies
-from dinfer_jax.engine import MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, ids_until_stop
+from dinfer_jax.canvas_template import template_classes
+from dinfer_jax.engine import (MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, constrained_spec, ids_until_stop,
+                               templated_params)
+from dinfer_jax.json_template import SchemaError
 from dinfer_jax.serving_metrics import RequestObservation, ServingMetrics, blocks_at_cap
 from dinfer_jax.stop_strings import check_stop, find_stop, held_back, ids_through
 
@@ -145,10 +148,18 @@ class CommonFields(DinferFields):
     user: Optional[str] = None
     return_step_map: Optional[bool] = None  # dLLM extension: each output token's commit step (`commit_steps`)
     stream_canvas: Optional[bool] = None  # dLLM extension: streamed chunks carry the provisional canvas (`canvas`)
+    # Structured output (dinfer_jax/structured.py: a canvas template, checked inside the loop):
+    # OpenAI's response_format, vLLM's structured_outputs and its earlier guided_* names
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
 
 class CompletionRequest(CommonFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    suffix: Optional[str] = None  # infilling: max_tokens positions between the prompt and this text
     logprobs: Optional[int] = None  # OpenAI legacy: the top N (0..20) alternatives per token
     echo: Optional[bool] = None
 
@@ -225,6 +236,9 @@ class Job:
     canvas_sent: Optional["CanvasView"] = None
     stop_hit: bool = False
     held: Optional[list] = None
+    # a canvas template (structured.Constrained: infill suffix, JSON schema, regex, choice): the
+    # region is laid out by it and the answer is its render
+    constraint: Any = None
 
     def expired(self, now: float) -> bool:
         return self.cancelled or (self.deadline is not None and now >= self.deadline)
@@ -617,6 +631,11 @@ class Batcher:
         top_logprobs (None unless the job asked for logprobs)}; a stop string cuts the text before
         it and the ids after the token that completed it. record: the row's (commit steps,
         logprobs | None, top logprobs | None) over a prefix of the region holding the answer's ids."""
+        if job.constraint is not None:  # a canvas template: its render is the answer
+            region = [int(t) for t in raw[:len(job.constraint.template)]]
+            ids = job.constraint.answer_ids(region)
+            return {"token_ids": ids, "text": job.constraint.render(region), "finish_reason": "stop", "undecoded": 0,
+                    "commit_steps": None, "token_logprobs": None, "top_logprobs": None}
         ids, stopped = self._text_until_stop(raw[:job.max_tokens], job)
         text = self.tok.decode(ids) if self.tok else None
 
@@ -668,8 +687,10 @@ class Batcher:
         for j in batch:
             j.t_admitted = now
         self.metrics.observe_batch(len(batch), self.cfg.max_batch)
+        templates = ([None if j.constraint is None else j.constraint.template for j in batch]
+                     if any(j.constraint is not None for j in batch) else None)
         r = self.gen.generate([np.asarray(j.prompt_ids, np.int32) for j in batch], [j.params for j in batch],
-                              observer=observer)
+                              observer=observer, templates=templates)
         for b, j in enumerate(batch):
             j.record = (r.commit_steps[b], r.token_logprobs[b] if r.token_logprobs is not None else None,
                         r.top_logprobs[b] if r.top_logprobs is not None else None)
@@ -1085,19 +1106,51 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if not batcher.ready.is_set():
             raise BadRequest("the server is warming up (compiling); retry shortly", status=503)
 
-    async def run_jobs(ids_list, params, max_tokens, stream, stop=(), records=False, canvas=False):
+    async def constraint_of(req: CommonFields, max_tokens: int, params: list):
+        """The request's canvas template (structured.Constrained: suffix, response_format,
+        structured_outputs, guided_*) or None, and the params laid out for it; 400 naming the field
+        when it cannot be expressed or combines with a field it does not support."""
+        from dinfer_jax.structured import REQUEST_FIELDS, build_constraint, constraint_from_request
+        body = {k: getattr(req, k, None) for k in REQUEST_FIELDS}
+        try:
+            c, field = constraint_from_request(body, max_tokens)
+        except SchemaError as e:
+            raise BadRequest(str(e), e.keyword) from None
+        if c is None:
+            return None, params
+        if tokenizer is None:
+            raise BadRequest(f"{field} needs the model's tokenizer.json", field)
+        for other, on in (("stream", req.stream), ("stop", req.stop), ("return_step_map", req.return_step_map),
+                          ("logprobs", getattr(req, "logprobs", None) not in (None, False)),
+                          ("echo", getattr(req, "echo", None))):
+            if on:
+                raise BadRequest(f"{field} does not combine with {other} here (a templated answer is rendered "
+                                 f"whole at the end)", other)
+        # a JSON / regex / choice template is the answer (max_tokens bounds it); an infill region is
+        # the span (max_tokens) plus the suffix (bounded by the server's max_tokens)
+        limit = cfg.max_tokens if field == "suffix" else max_tokens
+        try:
+            built = await asyncio.to_thread(build_constraint, c, tokenizer, model.config, limit)
+        except SchemaError as e:
+            raise BadRequest(f"{field}: {e}", field) from None
+        return built, templated_params(params, [built.template] * len(params))
+
+    async def run_jobs(ids_list, params, max_tokens, stream, stop=(), records=False, canvas=False, constraint=None):
         """Queue one job per (prompt, params) pair, all or none. records: stream chunks carry the
-        per-token records (logprobs / step map); canvas: they carry the provisional canvas."""
+        per-token records (logprobs / step map); canvas: they carry the provisional canvas;
+        constraint: the jobs' canvas template (constraint_of)."""
         admitting()
         if len(ids_list) > cfg.max_queue:
             raise BadRequest(f"{len(ids_list)} prompts in one request exceed this server's queue of "
                              f"{cfg.max_queue}; send at most {cfg.max_queue} per request", "prompt")
         loop = asyncio.get_running_loop()
         deadline = None if cfg.request_timeout_s is None else time.monotonic() + cfg.request_timeout_s
+        n_classes = 0 if constraint is None else template_classes([constraint.template])
         jobs = [Job(ids, p, max_tokens, loop, loop.create_future(),
-                    p.spec_for(model.config),
+                    p.spec_for(model.config) if constraint is None else constrained_spec(p.spec_for(model.config),
+                                                                                         n_classes),
                     asyncio.Queue() if stream else None, deadline=deadline, stop=stop, records=records,
-                    canvas=canvas)
+                    canvas=canvas, constraint=constraint)
                 for ids, p in zip(ids_list, params)]
         try:
             batcher.submit_all(jobs)
@@ -1257,12 +1310,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         n = choices_per_prompt(req)
         stop = stop_strings(req)
         params = sampling(req, max_tokens, len(items), n, req.logprobs)
+        constraint, params = await constraint_of(req, max_tokens, params)
         ids_list = await encode_all(items)
         for ids in ids_list:
             limits(ids, max_tokens, params[0])
         records = req.logprobs is not None or bool(req.return_step_map)
         jobs = await run_jobs([ids for ids in ids_list for _ in range(n)], params, max_tokens, req.stream, stop,
-                              records, bool(req.stream_canvas))
+                              records, bool(req.stream_canvas), constraint)
         # echo: the prompt's text before the answer's (text prompts as sent; token ids decoded)
         echoed = [(x if isinstance(x, str) else tokenizer.decode(ids) if tokenizer is not None else "")
                   if req.echo else "" for x, ids in zip(items, ids_list)]
@@ -1358,6 +1412,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         params = sampling(req, max_tokens, 1, n, (req.top_logprobs or 0) if req.logprobs else None)
+        constraint, params = await constraint_of(req, max_tokens, params)
 
         def render() -> list[int]:  # on a worker thread: templates and tokenizing take time
             for i, m in enumerate(req.messages):  # user text must not smuggle in special tokens
@@ -1375,7 +1430,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         ids = await asyncio.to_thread(render)
         limits(ids, max_tokens, params[0])
         jobs = await run_jobs([ids] * n, params, max_tokens, req.stream, stop,
-                              bool(req.logprobs) or bool(req.return_step_map), bool(req.stream_canvas))
+                              bool(req.logprobs) or bool(req.return_step_map), bool(req.stream_canvas), constraint)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": cfg.model_name}
         if req.stream:
             return StreamingResponse(stream_chat(jobs[0], base, len(ids), req, request), media_type="text/event-stream")

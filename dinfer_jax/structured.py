@@ -14,6 +14,7 @@ Constraint (one of):
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, Optional, Sequence
 
 from dinfer_jax.canvas_template import CanvasTemplate, TemplateBuilder, infill_template
@@ -50,9 +51,18 @@ class Infill:
 
 @dataclasses.dataclass(frozen=True)
 class Constrained:
-    """A built constraint: the template and the function from its T decoded ids to the answer text."""
+    """A built constraint: the template, the function from its T decoded ids to the answer text,
+    and the answer's token ids (default: every slot id but the pad, in canvas order)."""
     template: CanvasTemplate
     render: Callable[[Sequence[int]], str]
+    ids: Optional[Callable[[Sequence[int]], list]] = None
+    pad: int = -1
+
+    def answer_ids(self, region: Sequence[int]) -> list:
+        if self.ids is not None:
+            return self.ids(region)
+        return [int(region[p]) for s in self.template.slots for p in range(s.start, s.start + s.length)
+                if region[p] != self.pad]
 
 
 def choice_template(choices, vocab, encode, max_positions: int) -> Constrained:
@@ -91,24 +101,24 @@ def build_constraint(constraint, tokenizer, cfg, max_positions: int) -> Constrai
         template = infill_template([span] + ([ids] if ids else []))
         eos = set(cfg.stop_ids)
 
-        def render(out) -> str:
-            filled = []
+        def filled(out) -> list:
+            got = []
             for t in out[:span]:
                 if t in eos:
                     break
-                filled.append(int(t))
-            return tokenizer.decode(filled)
-        return Constrained(template, render)
+                got.append(int(t))
+            return got
+        return Constrained(template, lambda out: tokenizer.decode(filled(out)), filled)
     if not isinstance(constraint, StructuredOutput):
         raise TypeError(f"constraint must be StructuredOutput or Infill, got {type(constraint).__name__}")
     kind = constraint.kind()
     vocab = vocab_classes(tokenizer, cfg.vocab_size, cfg.eos_id, cfg.mask_token_id)
     if kind == "choice":
-        return choice_template(constraint.choice, vocab, encode, max_positions)
+        return dataclasses.replace(choice_template(constraint.choice, vocab, encode, max_positions), pad=vocab.pad)
     if kind == "regex":
-        return Constrained(*regex_template(constraint.regex, vocab, max_positions))
+        return Constrained(*regex_template(constraint.regex, vocab, max_positions), pad=vocab.pad)
     return Constrained(*json_schema_template(constraint.json if kind == "json" else None, vocab, encode,
-                                             max_positions))
+                                             max_positions), pad=vocab.pad)
 
 
 def generate_structured(model, tokenizer, prompts: Sequence[Sequence[int]], constraints: Sequence, params=None,
@@ -124,3 +134,67 @@ def generate_structured(model, tokenizer, prompts: Sequence[Sequence[int]], cons
     result = generate(model, list(prompts), params, templates=[None if b is None else b.template for b in built])
     answers = [tokenizer.decode(ids) if b is None else b.render(ids) for b, ids in zip(built, result.token_ids)]
     return answers, result
+
+
+REQUEST_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "suffix")
+
+
+def constraint_from_request(body: dict, max_tokens: int):
+    """The OpenAI / vLLM request fields -> (StructuredOutput | Infill | None, the field that gave
+    it), or SchemaError whose keyword is the request field at fault:
+      response_format {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}
+      structured_outputs {"json" | "regex" | "choice" | "json_object"} (vLLM >= 0.12)
+      guided_json / guided_regex / guided_choice (vLLM's earlier names)
+      suffix (completions): infill max_tokens positions between the prompt and the suffix."""
+    given = {k: body[k] for k in REQUEST_FIELDS if body.get(k) is not None}
+    rf = given.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "text":
+        del given["response_format"]
+    if len(given) > 1:
+        raise SchemaError(sorted(given)[1], f"give one of {', '.join(REQUEST_FIELDS)}, not {sorted(given)}")
+    if not given:
+        return None, None
+    (field, v), = given.items()
+    return _constraint(field, v, max_tokens), field
+
+
+def _constraint(field: str, v, max_tokens: int):
+    if field == "suffix":
+        if not isinstance(v, str) or not v:
+            raise SchemaError("suffix", "suffix must be a non-empty string")
+        return Infill(suffix=v, span=max_tokens)
+    if field == "response_format":
+        if not isinstance(v, dict) or v.get("type") not in ("json_object", "json_schema"):
+            raise SchemaError("response_format", "response_format.type must be text, json_object or json_schema")
+        if v["type"] == "json_object":
+            return StructuredOutput(json_object=True)
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise SchemaError("response_format", "response_format json_schema needs json_schema.schema (an object)")
+        return StructuredOutput(json=js["schema"])
+    if field == "structured_outputs":
+        if not isinstance(v, dict):
+            raise SchemaError(field, "structured_outputs must be an object")
+        unknown = sorted(set(v) - {"json", "regex", "choice", "json_object"})
+        if unknown:
+            raise SchemaError(field, f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, "
+                                     f"json_object are)")
+        kw = {k: x for k, x in v.items() if x is not None and x is not False}
+        if len(kw) != 1:
+            raise SchemaError(field, f"structured_outputs needs exactly one of json, regex, choice, json_object "
+                                     f"(got {sorted(kw) or 'none'})")
+        (k, x), = kw.items()
+    else:
+        k, x = field[len("guided_"):], v
+    if k == "json":
+        if isinstance(x, str):
+            try:
+                x = json.loads(x)
+            except ValueError as e:
+                raise SchemaError(field, f"{field}: the JSON schema does not parse ({e})") from None
+        return StructuredOutput(json=x)
+    if k == "json_object":
+        return StructuredOutput(json_object=True)
+    if k == "regex":
+        return StructuredOutput(regex=x)
+    return StructuredOutput(choice=x)
