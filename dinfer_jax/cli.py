@@ -294,7 +294,12 @@ def cmd_generate(a):
     import numpy as np
     from dinfer_jax import compile_cache, generate
     if getattr(a, "prompts_file", None) is not None:
+        if _constraint_flags(a) is not None:
+            raise ValueError("--suffix / --json-schema / --json-object / --regex / --choice work with one prompt "
+                             "(--prompt / --prompt-ids), not --prompts-file")
         return _generate_prompts_file(a)
+    if _constraint_flags(a) is not None:
+        return _generate_constrained(a)
     compile_cache.enable(a.compile_cache)  # before the first compile
     model_dir, tok, ids, sp, model = _prompt_setup(a)
     observer = None
@@ -329,6 +334,56 @@ def cmd_generate(a):
         rerun = f"; timed rerun {timed:.3f}s = {out['tokens_per_s']:.0f} tokens/s" if timed is not None else ""
         print(f"[{n} tokens, {r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s incl. compile"
               f"{rerun}; XLA compile {compile_s:.2f}s; {cache}]", file=sys.stderr)
+
+
+def _constraint_flags(a):
+    """The generate flags' canvas template (structured.StructuredOutput | Infill) or None."""
+    from dinfer_jax.structured import Infill, StructuredOutput
+    if getattr(a, "suffix", None) is not None:
+        return Infill(suffix=a.suffix, span=a.span or 0)
+    if getattr(a, "json_schema", None) is not None:
+        src = a.json_schema
+        text = open(src, encoding="utf-8").read() if os.path.isfile(src) else src
+        try:
+            return StructuredOutput(json=json.loads(text))
+        except ValueError as e:
+            raise ValueError(f"--json-schema: neither a file nor JSON text ({e})") from None
+    if getattr(a, "json_object", False):
+        return StructuredOutput(json_object=True)
+    if getattr(a, "regex", None) is not None:
+        return StructuredOutput(regex=a.regex)
+    if getattr(a, "choice", None):
+        return StructuredOutput(choice=list(a.choice))
+    return None
+
+
+def _generate_constrained(a):
+    """generate with a canvas template: the answer is its render (infill span, JSON, regex, choice)."""
+    import numpy as np
+    from dinfer_jax import compile_cache
+    from dinfer_jax.json_template import SchemaError
+    from dinfer_jax.structured import Infill, generate_structured
+    if a.show_canvas or a.timed:
+        raise ValueError(f"{'--show-canvas' if a.show_canvas else '--timed'} does not combine with a canvas template")
+    compile_cache.enable(a.compile_cache)
+    model_dir, tok, ids, sp, model = _prompt_setup(a)
+    if tok is None:
+        raise ValueError(f"a canvas template needs {os.path.join(model_dir, 'tokenizer.json')}")
+    c = _constraint_flags(a)
+    if isinstance(c, Infill):
+        c = Infill(suffix=c.suffix, span=a.span or sp.gen_length)
+    try:
+        answers, r = generate_structured(model, tok, [np.asarray(ids)], [c], sp)
+    except SchemaError as e:
+        raise ValueError(f"{e} (keyword: {e.keyword})") from None
+    if not _is_main_process():
+        return
+    if a.json:
+        print(json.dumps({"text": answers[0], "token_ids": r.token_ids[0], "nfe": r.nfe[0],
+                          "seconds": round(r.seconds, 4)}))
+    else:
+        print(answers[0])
+        print(f"[{r.nfe[0]} forwards, {r.seconds:.2f}s incl. compile]", file=sys.stderr)
 
 
 def _read_prompts_file(path: str) -> tuple[list[tuple[int, object]], bool]:
@@ -931,6 +986,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "compile_seconds, compile_cache_hits, compile_cache")
     g.add_argument("--timed", action="store_true",
                    help="decode a second time with the compiled program and report its seconds and tokens/s")
+    con = g.add_mutually_exclusive_group()  # canvas templates (dinfer_jax/structured.py); one prompt
+    con.add_argument("--suffix", default=None, metavar="TEXT",
+                     help="infill: --span positions between the prompt and this text; prints the filled span")
+    con.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                     help="the answer is JSON valid under this schema (a file, or the schema's JSON text)")
+    con.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    con.add_argument("--regex", default=None, help="the answer matches this pattern (the supported subset: docs/"
+                                                   "structured_output.md)")
+    con.add_argument("--choice", default=None, action="append", help="the answer is one of these (repeat the flag)")
+    g.add_argument("--span", type=_positive, default=None,
+                   help="--suffix: the positions to fill (default: the generation length)")
     _add_compile_cache_flag(g)
     _add_scale_flags(g)
     g.set_defaults(fn=cmd_generate)
