@@ -295,7 +295,7 @@ def cmd_generate(a):
     from dinfer_jax import compile_cache, generate
     if getattr(a, "prompts_file", None) is not None:
         if _constraint_flags(a) is not None:
-            raise ValueError("--suffix / --json-schema / --json-object / --regex / --choice work with one prompt "
+            raise ValueError("--suffix / --infill / --json-schema / --json-object / --regex / --choice work with one prompt "
                              "(--prompt / --prompt-ids), not --prompts-file")
         return _generate_prompts_file(a)
     if _constraint_flags(a) is not None:
@@ -338,9 +338,15 @@ def cmd_generate(a):
 
 def _constraint_flags(a):
     """The generate flags' canvas template (structured.StructuredOutput | Infill) or None."""
-    from dinfer_jax.structured import Infill, StructuredOutput
+    from dinfer_jax.structured import Infill, InfillSpans, StructuredOutput
     if getattr(a, "suffix", None) is not None:
         return Infill(suffix=a.suffix, span=a.span or 0)
+    if getattr(a, "infill", None) is not None:
+        try:
+            pieces = json.loads(a.infill)
+        except ValueError as e:
+            raise ValueError(f"--infill: not JSON ({e}); e.g. '[\"0\", 1, \"6\", 1]'") from None
+        return InfillSpans(tuple(pieces) if isinstance(pieces, list) else pieces)
     if getattr(a, "json_schema", None) is not None:
         src = a.json_schema
         text = open(src, encoding="utf-8").read() if os.path.isfile(src) else src
@@ -989,6 +995,9 @@ def build_parser() -> argparse.ArgumentParser:
     con = g.add_mutually_exclusive_group()  # canvas templates (dinfer_jax/structured.py); one prompt
     con.add_argument("--suffix", default=None, metavar="TEXT",
                      help="infill: --span positions between the prompt and this text; prints the filled span")
+    con.add_argument("--infill", default=None, metavar="JSON",
+                     help='the generation region as a JSON list of text (kept) and span lengths (filled), e.g. '
+                          '\'["0", 1, "6", 1]\'; prints the whole region')
     con.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                      help="the answer is JSON valid under this schema (a file, or the schema's JSON text)")
     con.add_argument("--json-object", action="store_true", help="the answer is a JSON object")

@@ -378,9 +378,8 @@ class ContinuousBatcher(Batcher):
                 self._stream_row(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl, r.nfe)
                 self._emit(j, a["token_ids"], final=True)
             edits = {} if r.edits is None else {"edits": r.edits}
-            self._observe(j, r.nfe, r.tpf, r.steps_per_block, edits)
-            self._finish(j, result={**a, **edits, "nfe": r.nfe, "tpf": round(r.tpf, 4), "batch_size": rb.B,
-                                    "segment_seconds": round(time.perf_counter() - t, 4)})
+            self._finish_decoded(j, a, r.nfe, r.tpf, r.steps_per_block, edits, batch_size=rb.B,
+                                 segment_seconds=round(time.perf_counter() - t, 4))
 
     def _cancel_all(self):
         exc = RuntimeError("the server is shutting down")

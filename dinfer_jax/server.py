@@ -160,6 +160,8 @@ class CommonFields(DinferFields):
 class CompletionRequest(CommonFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     suffix: Optional[str] = None  # infilling: max_tokens positions between the prompt and this text
+    # dLLM extension: the generation region as text pieces (kept) and span lengths (filled)
+    infill: Optional[list[Union[str, int]]] = None
     logprobs: Optional[int] = None  # OpenAI legacy: the top N (0..20) alternatives per token
     echo: Optional[bool] = None
 
@@ -634,8 +636,11 @@ class Batcher:
         if job.constraint is not None:  # a canvas template: its render is the answer
             region = [int(t) for t in raw[:len(job.constraint.template)]]
             ids = job.constraint.answer_ids(region)
-            return {"token_ids": ids, "text": job.constraint.render(region), "finish_reason": "stop", "undecoded": 0,
-                    "commit_steps": None, "token_logprobs": None, "top_logprobs": None}
+            out = {"token_ids": ids, "text": job.constraint.render(region), "finish_reason": "stop", "undecoded": 0,
+                   "commit_steps": None, "token_logprobs": None, "top_logprobs": None}
+            if job.constraint.parts is not None:
+                out["infill_spans"] = job.constraint.parts(region)
+            return out
         ids, stopped = self._text_until_stop(raw[:job.max_tokens], job)
         text = self.tok.decode(ids) if self.tok else None
 
@@ -700,9 +705,7 @@ class Batcher:
                 self._stream_row(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl, int(r.nfe[b]))
                 self._emit(j, a["token_ids"], final=True)
             edits = {k: getattr(r, k)[b] for k in ("edits", "inserts", "deletes") if getattr(r, k, None) is not None}
-            self._observe(j, r.nfe[b], r.tpf[b], r.steps_per_block[b], edits)
-            self._finish(j, result={**a, "nfe": r.nfe[b], "tpf": round(r.tpf[b], 4), "batch_size": len(batch),
-                                    **edits})
+            self._finish_decoded(j, a, r.nfe[b], r.tpf[b], r.steps_per_block[b], edits, batch_size=len(batch))
         with self.cond:
             self.stats["completed"] += len(batch)
 
@@ -749,6 +752,8 @@ class Batcher:
         if job.held is not None:
             job.held.append(event)
             return
+        if event[0] and job.t_first_token is None:  # TTFT: when the first text is handed over, not queued
+            job.t_first_token = time.monotonic()
         try:
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)
         except RuntimeError:  # the request's event loop is closed
@@ -770,8 +775,6 @@ class Batcher:
         chunk = self._chunk_ids(job, ids, upto)
         if grew or (final and job.records and chunk[0]):
             delta, job.sent_text = (text[len(job.sent_text):], text) if grew else ("", job.sent_text)
-            if delta and job.t_first_token is None:
-                job.t_first_token = time.monotonic()
             self._put(job, (delta, *chunk, None))
         job.stop_hit |= hit is not None
         return hit is not None
@@ -802,6 +805,13 @@ class Batcher:
             first_token_s=None if first is None else first - job.t_arrival, e2e_s=now - job.t_arrival,
             nfe=int(nfe), tpf=float(tpf), blocks=blocks, blocks_at_cap=capped,
             **{k: int(v) for k, v in edits.items()}))
+
+    def _finish_decoded(self, job: Job, answer: dict, nfe: int, tpf: float, steps_per_block, edits: dict,
+                        **extra):
+        """Answer a decoded row (both schedulers): its metrics (`_observe`), then its result: the
+        answer (`_answer`), edit counts, nfe, tpf and the scheduler's `extra` fields."""
+        self._observe(job, nfe, tpf, steps_per_block, edits)
+        self._finish(job, result={**answer, **edits, "nfe": nfe, "tpf": round(tpf, 4), **extra})
 
     def _finish(self, job: Job, result=None, exc=None):
         """Answer a job (any scheduler; once: later answers are ignored): its seed is added to the
@@ -1128,7 +1138,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                                  f"whole at the end)", other)
         # a JSON / regex / choice template is the answer (max_tokens bounds it); an infill region is
         # the span (max_tokens) plus the suffix (bounded by the server's max_tokens)
-        limit = cfg.max_tokens if field == "suffix" else max_tokens
+        limit = cfg.max_tokens if field in ("suffix", "infill") else max_tokens
         try:
             built = await asyncio.to_thread(build_constraint, c, tokenizer, model.config, limit)
         except SchemaError as e:
@@ -1335,6 +1345,8 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                  "undecoded_tokens": r["undecoded"], "seed": r["seed"], **edit_counts(r)}
             if req.return_step_map:
                 c["commit_steps"] = r["commit_steps"]
+            if "infill_spans" in r:
+                c["infill_spans"] = r["infill_spans"]
             return c
         return {**base, "choices": [choice(i, r) for i, r in enumerate(results)],
                 "usage": usage(sum(map(len, ids_list)), results)}

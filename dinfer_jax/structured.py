@@ -10,6 +10,8 @@ Constraint (one of):
                                        candidate agreeing with the most decoded positions
   Infill(suffix=text, span=n)          prefix (the prompt) | n free positions | suffix; the answer
                                        is the filled span, cut at its first EOS
+  InfillSpans(pieces=["0", 1, "6", 1]) the region as fixed text and spans; the answer is the whole
+                                       region's text (spans cut at EOS), `parts` each span's text
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ class Infill:
 
 
 @dataclasses.dataclass(frozen=True)
+class InfillSpans:
+    """The generation region as pieces in order: text (fixed) and ints (spans of that many
+    positions to fill), e.g. ["0", 1, "6", 1]. The answer is the whole region's text, each span
+    cut at its first EOS; `Constrained.parts` gives the spans' texts."""
+    pieces: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class Constrained:
     """A built constraint: the template, the function from its T decoded ids to the answer text,
     and the answer's token ids (default: every slot id but the pad, in canvas order)."""
@@ -57,6 +67,7 @@ class Constrained:
     render: Callable[[Sequence[int]], str]
     ids: Optional[Callable[[Sequence[int]], list]] = None
     pad: int = -1
+    parts: Optional[Callable[[Sequence[int]], list]] = None  # InfillSpans: each span's text
 
     def answer_ids(self, region: Sequence[int]) -> list:
         if self.ids is not None:
@@ -109,8 +120,11 @@ def build_constraint(constraint, tokenizer, cfg, max_positions: int) -> Constrai
                 got.append(int(t))
             return got
         return Constrained(template, lambda out: tokenizer.decode(filled(out)), filled)
+    if isinstance(constraint, InfillSpans):
+        return _infill_spans(constraint.pieces, tokenizer, cfg, max_positions)
     if not isinstance(constraint, StructuredOutput):
-        raise TypeError(f"constraint must be StructuredOutput or Infill, got {type(constraint).__name__}")
+        raise TypeError(f"constraint must be StructuredOutput, Infill or InfillSpans, got "
+                        f"{type(constraint).__name__}")
     kind = constraint.kind()
     vocab = vocab_classes(tokenizer, cfg.vocab_size, cfg.eos_id, cfg.mask_token_id)
     if kind == "choice":
@@ -119,6 +133,45 @@ def build_constraint(constraint, tokenizer, cfg, max_positions: int) -> Constrai
         return Constrained(*regex_template(constraint.regex, vocab, max_positions), pad=vocab.pad)
     return Constrained(*json_schema_template(constraint.json if kind == "json" else None, vocab, encode,
                                              max_positions), pad=vocab.pad)
+
+
+MAX_INFILL_PIECES = 64
+
+
+def _infill_spans(pieces, tokenizer, cfg, max_positions: int) -> Constrained:
+    if not isinstance(pieces, (list, tuple)) or not pieces or len(pieces) > MAX_INFILL_PIECES:
+        raise SchemaError("infill", f"infill must be a list of 1..{MAX_INFILL_PIECES} pieces: text (kept) and "
+                                    f"positive integers (spans to fill)")
+    layout, spans = [], []
+    for i, p in enumerate(pieces):
+        if isinstance(p, bool) or not isinstance(p, (int, str)) or (isinstance(p, int) and p <= 0) or p == "":
+            raise SchemaError("infill", f"infill[{i}] = {p!r}: a piece is non-empty text or a positive integer")
+        layout.append(p if isinstance(p, int) else tokenizer.encode(p))
+    if not any(isinstance(p, int) for p in layout):
+        raise SchemaError("infill", "infill has no span to fill (give at least one integer)")
+    template = infill_template(layout)
+    if len(template) > max_positions:
+        raise SchemaError("infill", f"the infill region needs {len(template)} tokens, more than the "
+                                    f"{max_positions} available")
+    eos = set(cfg.stop_ids)
+
+    def cut(ids, slot) -> list:
+        got = []
+        for t in ids[slot.start:slot.start + slot.length]:
+            if t in eos:
+                break
+            got.append(int(t))
+        return got
+
+    def region_ids(ids) -> list:
+        out, k = [], 0
+        for s in template.slots:
+            out += [int(t) for t in ids[k:s.start]]
+            out += cut(ids, s)
+            k = s.start + s.length
+        return out + [int(t) for t in ids[k:len(template)]]
+    return Constrained(template, lambda ids: tokenizer.decode(region_ids(ids)), region_ids,
+                       parts=lambda ids: [tokenizer.decode(cut(ids, s)) for s in template.slots])
 
 
 def generate_structured(model, tokenizer, prompts: Sequence[Sequence[int]], constraints: Sequence, params=None,
@@ -136,7 +189,8 @@ def generate_structured(model, tokenizer, prompts: Sequence[Sequence[int]], cons
     return answers, result
 
 
-REQUEST_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "suffix")
+REQUEST_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "suffix",
+                  "infill")
 
 
 def constraint_from_request(body: dict, max_tokens: int):
@@ -145,7 +199,8 @@ def constraint_from_request(body: dict, max_tokens: int):
       response_format {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}
       structured_outputs {"json" | "regex" | "choice" | "json_object"} (vLLM >= 0.12)
       guided_json / guided_regex / guided_choice (vLLM's earlier names)
-      suffix (completions): infill max_tokens positions between the prompt and the suffix."""
+      suffix (completions): infill max_tokens positions between the prompt and the suffix
+      infill (completions, dLLM extension): the region as text pieces and span lengths."""
     given = {k: body[k] for k in REQUEST_FIELDS if body.get(k) is not None}
     rf = given.get("response_format")
     if isinstance(rf, dict) and rf.get("type") == "text":
@@ -159,6 +214,8 @@ def constraint_from_request(body: dict, max_tokens: int):
 
 
 def _constraint(field: str, v, max_tokens: int):
+    if field == "infill":
+        return InfillSpans(tuple(v) if isinstance(v, list) else v)
     if field == "suffix":
         if not isinstance(v, str) or not v:
             raise SchemaError("suffix", "suffix must be a non-empty string")

@@ -211,7 +211,7 @@ class _HeldGenerator:
         self.model = types.SimpleNamespace(config=config)
         self.calls, self.go, self.busy = [], threading.Event(), threading.Event()
 
-    def generate(self, prompts, params, observer=None):
+    def generate(self, prompts, params, observer=None, templates=None):
         self.calls.append([[int(t) for t in p] for p in prompts])
         self.busy.set()
         assert self.go.wait(60)

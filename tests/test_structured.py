@@ -313,3 +313,60 @@ def test_an_unconstrained_row_beside_a_templated_one_decodes_as_alone(demo):
     r = generate(model, ids, p, templates=[None, infill_template([tok.encode("0"), 3])])
     assert r.token_ids[0] == alone
     assert np.asarray(r.token_ids[1]).shape == (4,)
+
+
+def test_infill_spans_fill_several_gaps(demo):
+    """The region as pieces: "0" kept, 1 filled, "6" kept, 1 filled -> the whole sum; parts are the
+    spans' texts; bad pieces are named."""
+    model, tok = demo
+    from dinfer_jax.structured import InfillSpans
+    probs = sample(8, seed=3, tasks=("add",))
+    cons = [InfillSpans((p["answer"][0], 1, p["answer"][2], 1)) for p in probs]
+    answers, _ = generate_structured(model, tok, [tok.encode(p["prompt"]) for p in probs], cons)
+    assert answers == [p["answer"] for p in probs]
+    built = build_constraint(cons[0], tok, model.config, 64)
+    ids = [int(t) for t in tok.encode(probs[0]["answer"])]
+    assert built.parts(ids) == [probs[0]["answer"][1], probs[0]["answer"][3]]
+    for bad, what in (((), "1..64 pieces"), (("a", 0), "infill[1]"), (("a",), "no span"), ((True, 2), "infill[0]")):
+        with pytest.raises(SchemaError, match=re.escape(what)):
+            build_constraint(InfillSpans(bad), tok, model.config, 64)
+
+
+MORE = [  # the remaining strategies, fewer and shallower schemas (their steps are one token each)
+    ("demo", dict(strategy="fixed", cache="dual")),
+    ("demo", dict(strategy="random", cache="none", temperature=0.5, seed=4)),
+    ("demo", dict(strategy="hierarchy", cache="dual")),
+    ("block", dict(cache="block", strategy="sequential")),
+    ("block", dict(cache="block", strategy="entropy_bounded", temperature=1.0, seed=1)),
+    ("block", dict(cache="block", sub_block_length=2)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MORE)))
+def test_more_strategies_keep_the_template(case, demo, demo_block):
+    which, over = MORE[case]
+    model, tok = demo if which == "demo" else demo_block
+    rng = random.Random(300 + case)
+    schemas = [random_schema(rng, depth=2) for _ in range(8)]
+    cons = [StructuredOutput(json=s) for s in schemas] + [StructuredOutput(regex=r"[a-c]{1,3}\d")]
+    p = SamplingParams.for_model(model.config, model.folder, **over)
+    answers, result = generate_structured(model, tok, [tok.encode("sort 5391=")] * len(cons), cons, p,
+                                          max_positions=512)
+    _check_loop_kept_the_template(result, [build_constraint(c, tok, model.config, 512) for c in cons])
+    for text, schema in zip(answers, schemas):
+        jsonschema.validate(json.loads(text), schema)
+    assert re.fullmatch(r"[a-c]{1,3}\d", answers[-1])
+
+
+def test_cli_generate_with_templates(capsys):
+    from dinfer_jax.cli import main
+    for args, want in ((["--suffix", "68", "--span", "2"], "01"), (["--infill", '["0", 1, "6", 1]'], "0168"),
+                       (["--regex", r"\d{4}"], "0168"), (["--choice", "0169", "--choice", "0168"], "0168")):
+        main(["generate", "--prompt", "add 123+045=", *args])
+        assert capsys.readouterr().out.strip() == want, args
+    main(["generate", "--prompt", "add 1+2=", "--json-schema", '{"type": "object", "properties": {"a": {"enum": [1, 2]}}}',
+          "--json"])
+    assert json.loads(json.loads(capsys.readouterr().out)["text"])["a"] in (1, 2)
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "add 1+2=", "--regex", "a*"])
+    assert "unbounded" in capsys.readouterr().err

@@ -47,6 +47,14 @@ def test_suffix_infills_between_prompt_and_suffix(server):
     assert c["token_ids"] == _post(s, {"prompt": "add 123+045=", "max_tokens": 2})["choices"][0]["token_ids"][:2]
 
 
+def test_infill_pieces_fill_the_gaps(server):
+    s, _, _ = server
+    c = _post(s, {"prompt": "add 123+045=", "infill": ["0", 1, "6", 1]})["choices"][0]
+    assert c["text"] == "0168" and c["infill_spans"] == ["1", "8"]
+    err = _post(s, {"prompt": "add 1+2=", "infill": ["x", -1]}, status=400)["error"]
+    assert err["param"] == "infill" and "infill[1]" in err["message"]
+
+
 def test_json_schema_and_object_validate(server):
     s, _, _ = server
     body = {"prompt": "add 123+045=", "max_tokens": 64,
