@@ -27,6 +27,12 @@ PY=${PYTHON:-.venv/bin/python}
 VENV=bench/.venv-guidellm
 if [ ! -x "$VENV/bin/guidellm" ]; then
   python3 -m venv "$VENV"
+  # guidellm depends on torch: its CPU build first (as .ci/run does), not PyPI's CUDA build (6 GB)
+  if "$VENV/bin/python" -c "import urllib.request; urllib.request.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=20)" 2>/dev/null; then
+    "$VENV/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu
+  else
+    "$VENV/bin/pip" install -q "${TORCH_CPU_LOCAL:-torch==2.13.0+cpu}" || echo "no CPU torch wheel: guidellm takes PyPI's torch" >&2
+  fi
   "$VENV/bin/pip" install -q "guidellm==$GUIDELLM_VERSION"
 fi
 PORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")

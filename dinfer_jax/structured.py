@@ -142,7 +142,7 @@ def _infill_spans(pieces, tokenizer, cfg, max_positions: int) -> Constrained:
     if not isinstance(pieces, (list, tuple)) or not pieces or len(pieces) > MAX_INFILL_PIECES:
         raise SchemaError("infill", f"infill must be a list of 1..{MAX_INFILL_PIECES} pieces: text (kept) and "
                                     f"positive integers (spans to fill)")
-    layout, spans = [], []
+    layout = []
     for i, p in enumerate(pieces):
         if isinstance(p, bool) or not isinstance(p, (int, str)) or (isinstance(p, int) and p <= 0) or p == "":
             raise SchemaError("infill", f"infill[{i}] = {p!r}: a piece is non-empty text or a positive integer")
