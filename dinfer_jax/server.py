@@ -683,7 +683,7 @@ class Batcher:
                     # rows whose chunks carry records (logprobs / step map) get their text when the
                     # batch ends (the static program's observer sees tokens, not the record); their
                     # canvas streams as any row's. step: the batch's iteration = the row's (0-based)
-                    if j.events is None or j.cancelled or (j.records and not j.canvas):
+                    if j.events is None or j.cancelled or (j.records and not j.canvas) or j.constraint is not None:
                         continue
                     n = None if j.records else gen_BG.shape[1] // bl if done_B[b] else int(blk_B[b])
                     self._stream_row(j, gen_BG[b], n, bl, step + 1)
@@ -700,7 +700,9 @@ class Batcher:
             j.record = (r.commit_steps[b], r.token_logprobs[b] if r.token_logprobs is not None else None,
                         r.top_logprobs[b] if r.top_logprobs is not None else None)
             a = self._answer(r.raw_ids[b], j, j.record)
-            if j.events is not None:
+            if j.events is not None and j.constraint is not None:  # a template's answer is whole at the end
+                self._put(j, (a["text"], a["token_ids"], None, None))
+            elif j.events is not None:
                 bl = j.params.block_length
                 self._stream_row(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl, int(r.nfe[b]))
                 self._emit(j, a["token_ids"], final=True)
@@ -1130,12 +1132,13 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             return None, params
         if tokenizer is None:
             raise BadRequest(f"{field} needs the model's tokenizer.json", field)
-        for other, on in (("stream", req.stream), ("stop", req.stop), ("return_step_map", req.return_step_map),
+        for other, on in (("stream_canvas", req.stream_canvas), ("stop", req.stop),
+                          ("return_step_map", req.return_step_map),
                           ("logprobs", getattr(req, "logprobs", None) not in (None, False)),
                           ("echo", getattr(req, "echo", None))):
             if on:
                 raise BadRequest(f"{field} does not combine with {other} here (a templated answer is rendered "
-                                 f"whole at the end)", other)
+                                 f"whole at the end; streamed, it comes as one chunk)", other)
         # a JSON / regex / choice template is the answer (max_tokens bounds it); an infill region is
         # the span (max_tokens) plus the suffix (bounded by the server's max_tokens)
         limit = cfg.max_tokens if field in ("suffix", "infill") else max_tokens

@@ -92,6 +92,20 @@ def test_openai_client_response_format(server):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     r = client.completions.create(model="demo", prompt="add 123+045=", suffix="68", max_tokens=2)
     assert r.choices[0].text == "01"
+    # streamed: the rendered answer comes whole in one chunk, then the finish chunk
+    whole = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "add 1+2="}], max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}})
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "add 1+2="}], max_tokens=64, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo", prompt="sort 5391=", max_tokens=8, stream=True, extra_body={"guided_choice": ["1359", "x"]}))
+    assert streamed == "1359"
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -105,7 +119,7 @@ def test_openai_client_response_format(server):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"guided_regex": "\\d{2}", "suffix": "x"}, "suffix"),
-    ({"guided_regex": "\\d{2}", "stream": True}, "stream"),
+    ({"guided_regex": "\\d{2}", "stream": True, "stream_canvas": True}, "stream_canvas"),
     ({"guided_regex": "\\d{2}", "stop": ["1"]}, "stop"),
     ({"guided_regex": "\\d{2}", "logprobs": 2}, "logprobs"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
