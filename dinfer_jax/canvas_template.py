@@ -4,7 +4,7 @@ A template of T positions is a run of fixed tokens (kept as they are: an infill 
 skeleton) and slots (masks the decoder fills), each slot position optionally limited to a set of
 token ids. `Generator.generate(..., templates=)` puts it after the prompt, filters every step's
 logits with it inside the jitted loop (decoding/constraint.py) and returns the region's T tokens;
-`fills` cuts out what the decoder wrote, slot by slot. Builders: `infill_template` (here),
+structured.Constrained renders the answer from them. Builders: `infill_template` (here),
 `json_schema_template` (json_template.py), `regex_template` (regex_template.py).
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+from dinfer_jax.decoding.constraint import constraint_buckets
 
 ANY = None  # a slot position that takes any token
 
@@ -36,9 +38,9 @@ class CanvasTemplate:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def arrays(self, vocab_size: int, mask_id: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
-        """-> (classes (T,) int32, allowed (n_classes, V) bool): row 0 all True (any), row c the
-        token set c (the mask id never allowed: a slot always receives a real token)."""
+    def allowed_table(self, vocab_size: int, mask_id: int, n_classes: int) -> np.ndarray:
+        """-> allowed (n_classes, V) bool: row 0 all True (any), row c the token set c (the mask id
+        never allowed: a slot always receives a real token)."""
         if len(self.sets) + 1 > n_classes:
             raise ValueError(f"template needs {len(self.sets) + 1} classes, program has {n_classes}")
         table = np.zeros((n_classes, vocab_size), bool)
@@ -46,11 +48,7 @@ class CanvasTemplate:
         for c, ids in enumerate(self.sets, 1):
             table[c, list(ids)] = True
             table[c, mask_id] = False
-        return np.asarray(self.classes, np.int32), table
-
-    def fills(self, ids: Sequence[int]) -> list[list[int]]:
-        """The decoded ids of each slot, from the T ids of the template's region."""
-        return [list(ids[s.start:s.start + s.length]) for s in self.slots]
+        return table
 
 
 class TemplateBuilder:
@@ -138,5 +136,4 @@ def template_gen_length(templates, block_length: int, at_least: int = 0) -> int:
 
 def template_classes(templates) -> int:
     """DecodeSpec.constraint_classes for these templates (decoding/constraint.constraint_buckets)."""
-    from dinfer_jax.decoding.constraint import constraint_buckets
     return constraint_buckets(max([len(t.sets) for t in templates if t is not None] + [0]))

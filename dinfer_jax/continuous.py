@@ -226,8 +226,8 @@ class ContinuousBatcher(Batcher):
         return min(fits, key=lambda r: r.gen_start) if fits else None
 
     def _has_work(self) -> bool:
-        return bool(self.pending) or bool(self.templated) or any(rb.running or (rb.waiting and (rb.compiling is None or rb.compiling.done()))
-                                         for rb in self.batches)
+        return bool(self.pending) or bool(self.templated) or any(
+            rb.running or (rb.waiting and (rb.compiling is None or rb.compiling.done())) for rb in self.batches)
 
     def _run(self):
         while True:

@@ -16,7 +16,7 @@ import numpy as np
 
 from dinfer_jax import families
 from dinfer_jax.config import ConfigError
-from dinfer_jax.canvas_template import template_classes, template_region
+from dinfer_jax.canvas_template import CanvasTemplate, template_classes, template_gen_length, template_region
 from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import (CACHES, KNOBS, LOGPROB_BUCKETS, ROW_KNOBS, DecodeSpec, bucket_gen_length,
@@ -646,7 +646,7 @@ class Generator:
                 canvas[b, gen_start:gen_start + G], knobs["allow_class"][b, gen_start:gen_start + G] = \
                     template_region(t, G, cfg.mask_token_id, cfg.eos_id)
                 if t is not None:
-                    knobs["allowed"][b] = t.arrays(cfg.vocab_size, cfg.mask_token_id, spec.constraint_classes)[1]
+                    knobs["allowed"][b] = t.allowed_table(cfg.vocab_size, cfg.mask_token_id, spec.constraint_classes)
         put = self.model.place
         host = (canvas, pad, plen, active, knobs, np.int32(observer_id))
         args = (self.model.params,) + jax.tree_util.tree_map(put, host, sds[1:])
@@ -654,7 +654,6 @@ class Generator:
 
     def _check_templates(self, templates, n: int) -> list:
         """One CanvasTemplate (or None) per prompt, its fixed ids and token sets inside the vocabulary."""
-        from dinfer_jax.canvas_template import CanvasTemplate
         cfg = self.model.config
         templates = list(templates)
         if len(templates) != n:
@@ -685,8 +684,8 @@ class Generator:
         iteration (decoding/observe.py); it selects a program variant with one callback per step.
         templates: one canvas_template.CanvasTemplate (or None) per prompt: the generation region
         is laid out by it (gen_length: the longest template in whole blocks; no early stop) and a
-        templated row's token_ids are the template's T ids, fixed ones included (`fills` cuts out
-        the slots)."""
+        templated row's token_ids are the template's T ids, fixed ones included
+        (structured.Constrained renders the answer from them)."""
         if params is None:  # the model's family / folder defaults (SamplingParams.for_model)
             params = SamplingParams.for_model(self.model.config, self.model.folder)
         oid = 0
@@ -735,7 +734,6 @@ def templated_params(per_row: list, templates: list) -> list:
     """The rows' SamplingParams for a templated batch: gen_length the templates' region (the longest
     template in whole blocks, Dream's one-block convention kept), no early stop (EOS in one slot
     must not wipe later slots), steps None unless given."""
-    from dinfer_jax.canvas_template import template_gen_length
     p0 = per_row[0]
     glen = template_gen_length(templates, p0.block_length)
     whole = p0.block_length == p0.gen_length  # one block over the whole region (Dream): keep it so

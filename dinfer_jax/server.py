@@ -52,6 +52,7 @@ from dinfer_jax.canvas_template import template_classes
 from dinfer_jax.engine import (MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, constrained_spec, ids_until_stop,
                                templated_params)
 from dinfer_jax.json_template import SchemaError
+from dinfer_jax.structured import REQUEST_FIELDS, build_constraint, constraint_from_request
 from dinfer_jax.serving_metrics import RequestObservation, ServingMetrics, blocks_at_cap
 from dinfer_jax.stop_strings import check_stop, find_stop, held_back, ids_through
 
@@ -1122,7 +1123,6 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         """The request's canvas template (structured.Constrained: suffix, response_format,
         structured_outputs, guided_*) or None, and the params laid out for it; 400 naming the field
         when it cannot be expressed or combines with a field it does not support."""
-        from dinfer_jax.structured import REQUEST_FIELDS, build_constraint, constraint_from_request
         body = {k: getattr(req, k, None) for k in REQUEST_FIELDS}
         try:
             c, field = constraint_from_request(body, max_tokens)

@@ -19,7 +19,8 @@ import dataclasses
 import json
 from typing import Any, Callable, Optional, Sequence
 
-from dinfer_jax.canvas_template import CanvasTemplate, TemplateBuilder, infill_template
+from dinfer_jax.canvas_template import CanvasTemplate, Slot, TemplateBuilder, infill_template
+from dinfer_jax.engine import SamplingParams, generate
 from dinfer_jax.json_template import SchemaError, json_schema_template
 from dinfer_jax.regex_template import regex_template
 from dinfer_jax.token_classes import vocab_classes
@@ -113,12 +114,7 @@ def build_constraint(constraint, tokenizer, cfg, max_positions: int) -> Constrai
         eos = set(cfg.stop_ids)
 
         def filled(out) -> list:
-            got = []
-            for t in out[:span]:
-                if t in eos:
-                    break
-                got.append(int(t))
-            return got
+            return _until_stop(out, template.slots[0], eos)
         return Constrained(template, lambda out: tokenizer.decode(filled(out)), filled)
     if isinstance(constraint, InfillSpans):
         return _infill_spans(constraint.pieces, tokenizer, cfg, max_positions)
@@ -138,6 +134,16 @@ def build_constraint(constraint, tokenizer, cfg, max_positions: int) -> Constrai
 MAX_INFILL_PIECES = 64
 
 
+def _until_stop(ids: Sequence[int], slot: Slot, stop_ids) -> list:
+    """A slot's decoded ids up to its first stop id (an infill span ends early with EOS)."""
+    got = []
+    for t in ids[slot.start:slot.start + slot.length]:
+        if t in stop_ids:
+            break
+        got.append(int(t))
+    return got
+
+
 def _infill_spans(pieces, tokenizer, cfg, max_positions: int) -> Constrained:
     if not isinstance(pieces, (list, tuple)) or not pieces or len(pieces) > MAX_INFILL_PIECES:
         raise SchemaError("infill", f"infill must be a list of 1..{MAX_INFILL_PIECES} pieces: text (kept) and "
@@ -155,30 +161,21 @@ def _infill_spans(pieces, tokenizer, cfg, max_positions: int) -> Constrained:
                                     f"{max_positions} available")
     eos = set(cfg.stop_ids)
 
-    def cut(ids, slot) -> list:
-        got = []
-        for t in ids[slot.start:slot.start + slot.length]:
-            if t in eos:
-                break
-            got.append(int(t))
-        return got
-
     def region_ids(ids) -> list:
         out, k = [], 0
         for s in template.slots:
             out += [int(t) for t in ids[k:s.start]]
-            out += cut(ids, s)
+            out += _until_stop(ids, s, eos)
             k = s.start + s.length
         return out + [int(t) for t in ids[k:len(template)]]
     return Constrained(template, lambda ids: tokenizer.decode(region_ids(ids)), region_ids,
-                       parts=lambda ids: [tokenizer.decode(cut(ids, s)) for s in template.slots])
+                       parts=lambda ids: [tokenizer.decode(_until_stop(ids, s, eos)) for s in template.slots])
 
 
 def generate_structured(model, tokenizer, prompts: Sequence[Sequence[int]], constraints: Sequence, params=None,
                         max_positions: Optional[int] = None) -> tuple[list[str], Any]:
     """Decode each prompt (token ids) under its constraint (StructuredOutput | Infill | None) ->
     (answers: the rendered text, or for None the plain decoded text; the GenerationResult)."""
-    from dinfer_jax.engine import SamplingParams, generate
     cfg = model.config
     if params is None:
         params = SamplingParams.for_model(cfg, model.folder)
