@@ -13,8 +13,9 @@ inside the program's region (max_tokens 16, 24 and 32 with block 8 share one pro
 exactly as alone, at most `max_programs` at once, stepped round robin. A new batch's size is the
 power of two covering the waiting rows that join it plus the rows already running its program
 (at most max_batch): a lone request decodes in a batch of one (as fast as the static scheduler),
-a loaded program grows. A batch is dropped when it runs empty (its compiled programs stay
-cached). Rows of one batch share the compiled settings; per-row knobs (threshold, temperature,
+a loaded program grows. When a program's batches drain, their rows move into one smaller batch
+(`repack_size`, `RunningBatch.take_rows`: a B-slot program costs B rows whatever the number
+running). A batch is dropped when it runs empty (its compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs (threshold, temperature,
 seed, ...) differ freely. A job that fits no running batch waits for one to drain (FIFO among
 equals; other jobs may pass it). A job that cannot be planned, admitted or decoded fails alone
 (or with its batch, for a failing program); the scheduler goes on.
@@ -43,6 +44,7 @@ import time
 
 import numpy as np
 
+from dinfer_jax.decoding.segments import RunningBatch
 from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, row_record, same_program
 from dinfer_jax.server import Batcher, Cancelled, log
 
@@ -61,9 +63,19 @@ def prompt_bucket(n: int) -> int:
     return linear if linear <= LINEAR_PROMPT_BUCKETS * PROMPT_BUCKET else _pow2(n)
 
 
+def repack_size(rows: int, queued: int, slots: list[int], max_batch: int) -> int | None:
+    """The batch size the batches of one program (`slots`: their sizes), holding `rows` running rows
+    with `queued` jobs of that program waiting, should be repacked into, or None to leave them: the
+    power of two covering rows + queued (at most max_batch), when their slots add up to at least
+    twice it."""
+    size = min(max_batch, _pow2(rows + queued))
+    return size if rows and size >= rows and sum(slots) >= 2 * size else None
+
+
 class ContinuousBatcher(Batcher):
     """Continuous batching over RunningBatches (module doc). One scheduler thread."""
-    EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted", "stopped_early")
+    EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted", "stopped_early",
+                   "repacked")
 
     def __init__(self, generator, tokenizer, cfg, segment: int = DEFAULT_SEGMENT, max_programs: int = 4):
         from dinfer_jax.decoding.prefix_cache import PrefixCache
@@ -142,7 +154,10 @@ class ContinuousBatcher(Batcher):
         return self.gen.running_batch(params, size, prompt_bucket(max_prompt_len + head_room) - head_room, gen_length)
 
     def _new_batch(self, params, size, max_prompt_len, gen_length=None):
-        rb = self._running_batch(params, size, max_prompt_len, gen_length)
+        return self._adopt(self._running_batch(params, size, max_prompt_len, gen_length))
+
+    def _adopt(self, rb):
+        """A new RunningBatch made ready for the scheduler (its programs compiled in the background)."""
         rb.background = self._compile_async
         rb.waiting = []  # jobs assigned to this batch while its programs compile
         rb.compiling = None
@@ -256,10 +271,49 @@ class ContinuousBatcher(Batcher):
                             self._segment(rb)
                     except Exception as e:
                         self._fail_batch(rb, e)
+            self._repack()
             with self.cond:
                 self.batches = [rb for rb in self.batches if (rb.running or rb.waiting) and not rb.failed]
                 self.stats["running_rows"] = sum(rb.running for rb in self.batches)
                 self.stats["waiting_for_compile"] = sum(len(rb.waiting) for rb in self.batches)
+
+    def _repack(self):
+        """Size programs to their rows: where the batches of one program (settings, prompt bucket)
+        hold R running rows (plus Q queued jobs of that program) in slots adding up to at least twice
+        S = pow2(R + Q) (at most max_batch), their rows move into one batch of S slots (an existing one
+        of that size, else a new one once its programs are compiled; the emptied batches are
+        dropped). A B-slot program computes all B rows whatever the number running, so a batch that
+        filled under a burst and drains under a trickle would otherwise keep its full cost
+        (bench/continuous_occupancy.py). Rows decode on exactly as before (RunningBatch.take_rows)."""
+        groups = collections.OrderedDict()
+        for rb in self.batches:
+            if rb.running and not rb.waiting and not rb.failed and rb.state is not None:
+                groups.setdefault((rb.spec, rb.gen_start), []).append(rb)
+        for (spec, gen_start), group in groups.items():
+            rows = sum(rb.running for rb in group)
+            with self.cond:
+                queued = sum(1 for j in self.pending if j.constraint is None and same_program(j.key, spec))
+            size = repack_size(rows, queued, [rb.B for rb in group], self.cfg.max_batch)
+            if size is None:
+                continue
+            target = next((rb for rb in group if rb.B == size), None)
+            if target is None:
+                if not self.gen.segment_programs_ready(spec, gen_start, size):
+                    self._compile_async(spec, gen_start, size)  # the next round moves them
+                    continue
+                target = self._adopt(RunningBatch(self.gen, spec, gen_start, size))
+                with self.cond:
+                    self.batches.append(target)
+            for rb in group:
+                if rb is not target:
+                    try:  # atomic: a move that fails leaves both batches as they were
+                        target.take_rows(rb, [b for b, j in enumerate(rb.slots) if j is not None])
+                    except Exception as e:
+                        log.warning("moving %d row(s) from a B=%d batch into a B=%d one failed (%s: %s); "
+                                    "they decode on where they are", rb.running, rb.B, size, type(e).__name__, e)
+                        break
+            with self.cond:
+                self.stats["repacked"] += 1
 
     def _run_templated(self):
         """Decode the waiting templated jobs (infill, structured output) as static batches, grouped by

@@ -173,3 +173,51 @@ def test_a_new_programs_compile_never_stalls_running_rows():
     assert s["background_compiles"] >= 1 and s["failed"] == 0
     want = gen.generate([np.asarray(tok.encode("copy abc="), np.int32)], new).token_ids[0]
     assert got["token_ids"] == want
+
+
+def test_a_drained_batch_moves_its_rows_into_a_smaller_one():
+    """Four rows of one program start together in a batch of 4; three end after 24 iterations, and
+    the last row moves into a batch of 1 (compiled in the background first) instead of costing 4
+    rows per forward until it ends; every answer equals the engine's."""
+    import asyncio
+
+    from demo_helpers import demo as load
+
+    from dinfer_jax.continuous import ContinuousBatcher, repack_size
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.server import Job, ServerConfig
+    assert repack_size(1, 0, [4], 4) == 1 and repack_size(3, 0, [4], 4) is None
+    assert repack_size(2, 2, [16], 16) == 4 and repack_size(5, 0, [4, 4], 8) is None
+    assert repack_size(3, 0, [4, 8], 16) == 4 and repack_size(0, 3, [8], 8) is None
+    model, tok = load()
+    mc = model.config
+
+    def sp(g):
+        return SamplingParams(gen_length=g, block_length=8, strategy="fixed", steps=g, cache="dual", early_stop=False)
+    texts = ["sort 5391=", "add 12+34=", "next abcdefgh=", "add 7+8="]
+    lens = [24, 24, 24, 32]
+    b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="demo", max_batch=4), segment=1)
+    for size in (1, 4):  # as --warmup does: the move waits for nothing
+        b._warmup_batch(sp(32), size, np.asarray(tok.encode(texts[2]), np.int32))
+    seen = []
+    step = b._segment
+    b._segment = lambda rb: (seen.append((rb.B, rb.running)), step(rb))[1]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(tok.encode(t), sp(g), g, loop, loop.create_future(), sp(g).spec(mc.mask_token_id, mc.eos_id))
+                for t, g in zip(texts, lens)]
+        b.submit_all(jobs)
+        return [await asyncio.wait_for(j.future, 600) for j in jobs]
+
+    try:
+        got = asyncio.run(go())
+        s = b.snapshot()
+    finally:
+        b.close()
+    assert s["batches"] == 1 and s["repacked"] >= 1 and s["failed"] == 0, s
+    assert seen[0] == (4, 4) and (1, 1) in seen, seen  # the last row ran on in a batch of one ...
+    assert seen.count((4, 1)) <= 1, seen  # ... at most one segment after the others ended
+    for t, g, r in zip(texts, lens, got):
+        want = model.generator.generate([np.asarray(tok.encode(t), np.int32)], sp(g)).token_ids[0]
+        assert r["token_ids"] == want, t

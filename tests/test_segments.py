@@ -195,3 +195,51 @@ def test_rows_of_different_gen_length_share_one_program(demo, tiny_llada2, kind)
         assert results[i].nfe == alone.nfe[0], i
     with pytest.raises(ValueError, match="different compiled program"):
         rb.admit([(9, np.asarray(prompts[0], np.int32), SamplingParams(gen_length=40, **base))])
+
+
+@pytest.mark.parametrize("kind", ["dual", "block"])
+def test_rows_moved_between_batch_sizes_decode_as_alone(demo, tiny_llada2, kind):
+    """RunningBatch.take_rows (the continuous scheduler's repacking): rows stepped part-way in a batch
+    of 4 move into a fresh batch of 2, one of them later into a running batch of 4 beside another
+    row: each row's tokens, forwards and commit record equal decoding it alone."""
+    if kind == "dual":
+        model, tok = demo
+        prompts = [tok.encode(t) for t in ("sort 5391=", "add 12+34=", "next abcdefgh=", "add 7+8=")]
+        sps = [SamplingParams(gen_length=16, block_length=8, cache="dual", threshold=0.7, seed=i, logprobs=2)
+               for i in range(4)]
+    else:
+        model = tiny_llada2
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(0, 100, n).tolist() for n in (5, 11, 7, 9)]
+        sps = [SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.4, editing_threshold=0.3,
+                              max_post_steps=3) for _ in range(4)]
+    gen = model.generator
+    n = max(map(len, prompts))
+    big = gen.running_batch(sps[0], 4, n)
+    big.admit([(i, np.asarray(p, np.int32), sp) for i, (p, sp) in enumerate(zip(prompts[:3], sps[:3]))])
+    results = {r.tag: r for r in big.step(1)}
+    small = gen.running_batch(sps[0], 2, n)
+    moved = [b for b, t in enumerate(big.slots) if t is not None][:2]
+    assert moved, "every row finished in one step: nothing left to move mid-decode"
+    tags = [big.slots[b] for b in moved]
+    assert small.take_rows(big, moved) == list(range(len(moved))) and small.slots[:len(moved)] == tags
+    assert all(t not in big.slots for t in tags)
+    with pytest.raises(ValueError, match="only running rows"):
+        small.take_rows(big, [moved[0]])
+    results.update({r.tag: r for r in small.step(1)})
+    results.update({r.tag: r for r in big.step(1)})
+    # back into the big batch (beside its remaining row and a newly admitted one)
+    big.admit([(3, np.asarray(prompts[3], np.int32), sps[3])])
+    live = [b for b, t in enumerate(small.slots) if t is not None]
+    if live:
+        big.take_rows(small, live)
+    assert small.running == 0
+    for _ in range(200):
+        results.update({r.tag: r for r in big.step(3)})
+        if len(results) == 4:
+            break
+    assert sorted(results) == [0, 1, 2, 3]
+    _check_alone(model, prompts, sps, results)
+    other = gen.running_batch(SamplingParams(gen_length=32, block_length=8, cache=sps[0].cache), 2, n)
+    with pytest.raises(ValueError, match="same program"):
+        other.take_rows(big, [])

@@ -48,6 +48,34 @@ def merge_rows(state: dict, fresh: dict, take_B) -> dict:
     return out
 
 
+def move_rows(dst: dict | None, src: dict, src_of_D, take_D) -> dict:
+    """A D-row state whose rows where take_D (D,) holds are src's rows src_of_D (D,) (a gather along
+    each leaf's batch axis); the other rows keep dst's (dst None: they are src's row src_of_D,
+    marked done, so they never step and an admission replaces them whole). Scalars (batch-wide
+    counters) keep dst's (src's when dst is None)."""
+    out = {}
+    for k, v in src.items():
+        axis = BATCH_AXIS.get(k, 0)
+
+        def move(a, b, axis=axis):
+            if a.ndim == 0:
+                return a if b is None else b
+            got = jnp.take(a, src_of_D, axis=axis)
+            if b is None:
+                return got
+            shape = [1] * a.ndim
+            shape[axis] = take_D.shape[0]
+            return jnp.where(take_D.reshape(shape), got, b)
+        out[k] = (jax.tree_util.tree_map(lambda a, move=move: move(a, None), v) if dst is None
+                  else jax.tree_util.tree_map(move, v, dst[k]))
+    if dst is None:
+        out["done"] = out["done"] | ~take_D
+    return out
+
+
+_move_rows = jax.jit(move_rows)
+
+
 def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_rows: tuple[int, ...] = ()):
     """-> (init(params, canvas, pad, plen, active, knobs[, cached_kv, width]) -> state,
            segment(params, state, pad, plen, knobs, max_iters) -> state) as plain functions (jit them;
@@ -191,6 +219,36 @@ class RunningBatch:
         if pc is not None:
             self._store(items, used, fresh["kv"], width)
         self.state = fresh if self.state is None else self._merge(self.state, fresh, put(take))
+        return used
+
+    def take_rows(self, src: "RunningBatch", slots: list[int]) -> list[int]:
+        """Move src's running rows `slots` into free slots of this batch (same program settings and
+        prompt bucket; any batch size): their loop state and row context move whole, so each row goes
+        on exactly as it would have in src (tests/test_segments.py). -> the slots they took here."""
+        if (src.spec, src.gen_start) != (self.spec, self.gen_start):
+            raise ValueError("rows move only between batches of the same program settings and prompt bucket")
+        slots = list(slots)
+        if any(src.slots[b] is None for b in slots):
+            raise ValueError("only running rows move")
+        free = self.free
+        if len(slots) > len(free):
+            raise ValueError(f"{len(slots)} rows for {len(free)} free slots")
+        used = free[:len(slots)]
+        if not slots:
+            return used
+        src_of = np.zeros((self.B,), np.int32)
+        take = np.zeros((self.B,), bool)
+        src_of[used], take[used] = slots, True
+        put = self.gen.model.place_batch  # the gathered rows land sharded as this batch's
+        state = _move_rows(self.state, src.state, put(src_of), put(take))  # nothing changes before this
+        for d, b in zip(used, slots):
+            self.pad[d], self.plen[d], self.glen[d] = src.pad[b], src.plen[b], src.glen[b]
+            for k in ROW_KNOBS:
+                self.knobs[k][d] = src.knobs[k][b]
+            self.top_n[d], self.slots[d] = src.top_n[b], src.slots[b]
+        self.state = state
+        self._ctx = (put(self.pad), put(self.plen), {k: put(v) for k, v in self.knobs.items()})
+        src.evict(slots)
         return used
 
     # ---- prompt prefix cache (block-causal models; decoding/prefix_cache.py)
