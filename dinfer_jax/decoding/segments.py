@@ -359,7 +359,7 @@ class RunningBatch:
         from dinfer_jax.engine import row_output, row_record, to_host
         spec, cfg = self.spec, self.cfg
         s = self.state
-        canvas, it = to_host(s["x"]), to_host(s["it"])
+        canvas = to_host(s["x"])
         stats = jax.tree_util.tree_map(to_host, loop_stats(s, self._stat_keys()))
         rec = jax.tree_util.tree_map(to_host, record_region(s, self.gen_start, spec.gen_length))
         out = []
