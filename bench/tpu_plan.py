@@ -1,8 +1,8 @@
-"""Compile-only TPU plans (dinfer_jax.plan, libtpu, no TPU attached) for the README's table: per-chip
+"""Compile-only TPU plans (dinfer_jax.plan, libtpu, no TPU attached) for docs/accelerators.md's table: per-chip
 bytes, fit, Mosaic calls, collectives, compile seconds and the spec-sheet floor of each case below.
 
   python bench/tpu_plan.py [--only NAME ...] [--json bench/tpu_plan.json]
-  python bench/tpu_plan.py --table bench/tpu_plan.json      # the README's markdown table
+  python bench/tpu_plan.py --table bench/tpu_plan.json      # docs/accelerators.md's markdown table
 
 Every case: bf16, prompt 256, gen 256, the family's cache (dual; block diffusion for block-causal
 models, block = the model's attention block), TPF 1 in the floor (scale it by a measured TPF).

@@ -64,7 +64,7 @@ def gpu_target(device_kind: str = GPU_DEVICE_KIND, mesh=None):
     """Context naming an abstract GPU so Triton kernels lower on a host without one (newer jax needs
     the compute capability; 0.10 reads it only from a real device and lowers without). Not with a
     multi-device mesh: shard_map requires the context mesh to be that mesh (whose devices here are
-    CPUs), so there newer jax cannot lower Triton off-GPU (see README, Accelerator status)."""
+    CPUs), so there newer jax cannot lower Triton off-GPU (docs/accelerators.md)."""
     if not hasattr(jax.sharding, "AbstractDevice") or (mesh is not None and mesh.size > 1):
         return contextlib.nullcontext()
     dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")

@@ -39,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json")
 
 
-# The built-in demo model (trained by `python -m dinfer_jax.train`, see README) ships inside the package.
+# The built-in demo model (trained by `python -m dinfer_jax.train`, docs/user_guide.md) ships inside the package.
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 # The block-diffusion demo model (LLaDA2 architecture, block 4; `python -m dinfer_jax.train --block-size 4`).
 DEMO_BLOCK_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_block_model")

@@ -35,7 +35,7 @@ def test_mesh_exports_have_hardware_kernels(result):
     assert len(tpu) == 2 * len({r["model"] for r in rows}) >= 4
     assert all(r["mosaic_calls"] >= 1 and r["interpreted"] == 0 for r in tpu)
     cuda = [r for r in rows if r["platform"] == "cuda"]
-    if NEW_JAX:  # recorded limitation (README): newer jax lowers Triton off-GPU only without a CPU mesh
+    if NEW_JAX:  # recorded limitation (docs/accelerators.md): newer jax lowers Triton off-GPU only without a CPU mesh
         assert not cuda and "No supported GPU devices found" in result["cuda_mesh_error"]
     else:
         assert len(cuda) == len(tpu) and all(r["triton_calls"] >= 1 and r["interpreted"] == 0 for r in cuda)

@@ -1,5 +1,5 @@
-"""Every fenced code block of README.md runs, unless the README marks it `<!-- not-run: reason -->`
-(the comment right before the fence).
+"""Every fenced code block of README.md and docs/*.md runs, unless the page marks it
+`<!-- not-run: reason -->` (the comment right before the fence).
 
 - ```python blocks are executed (their `# -> TEXT` comments must appear in their stdout, in that
   order); ```bash blocks line by line: `dinfer-jax ...` in-process through
@@ -7,7 +7,7 @@
   background server on a free port (stopped after the blocks that use it), `curl` as a subprocess.
 - Placeholders: `path/to/checkpoint-or-hf-folder` and `ckpt/` -> the built-in demo model; port 8000
   -> a free port. Anything else in a runnable block fails the test: run it or mark it not-run.
-- Fences without a language are diagrams / text and are not run.
+- Fences without a language, or in json / text, are diagrams and data, and are not run.
 """
 from __future__ import annotations
 
@@ -25,13 +25,17 @@ import pytest
 
 from dinfer_jax.checkpoint import DEMO_MODEL_DIR
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+PAGES = [README] + sorted(os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                          if f.endswith(".md"))
 CODE_LANGS = {"bash", "sh", "shell", "python", "py"}
+DATA_LANGS = {"json", "text"}  # data shown, never run (as fences without a language)
 PLACEHOLDERS = {"path/to/checkpoint-or-hf-folder": DEMO_MODEL_DIR, "ckpt/": DEMO_MODEL_DIR + "/"}
 
 
 def blocks(path=README) -> list[dict]:
-    """Fenced blocks: {line, lang, code, skip (the not-run reason or None)}."""
+    """Fenced blocks of one page: {page, line, lang, code, skip (the not-run reason or None)}."""
     lines = open(path, encoding="utf-8").read().splitlines()
     out, i, pending = [], 0, None
     while i < len(lines):
@@ -49,7 +53,8 @@ def blocks(path=README) -> list[dict]:
             while i < len(lines) and not lines[i].strip().startswith("```"):
                 code.append(lines[i])
                 i += 1
-            out.append({"line": start, "lang": lang, "code": "\n".join(code), "skip": pending})
+            out.append({"page": os.path.relpath(path, ROOT), "line": start, "lang": lang, "code": "\n".join(code),
+                        "skip": pending})
             pending = None
         elif s:
             pending = None  # the marker must come right before its fence
@@ -58,9 +63,9 @@ def blocks(path=README) -> list[dict]:
 
 
 def units() -> list[list[dict]]:
-    """Runnable blocks in README order; a block that starts a server takes the blocks that use it."""
+    """Runnable blocks in page order; a block that starts a server takes the blocks that use it."""
     out = []
-    for b in blocks():
+    for b in (b for page in PAGES for b in blocks(page)):
         if b["skip"] or b["lang"] not in CODE_LANGS:
             continue
         if out and ":8000" in b["code"] and "serve" in out[-1][0]["code"] and "&" in out[-1][0]["code"]:
@@ -71,13 +76,13 @@ def units() -> list[list[dict]]:
 
 
 def test_every_code_block_runs_or_says_why_not():
-    found = blocks()
-    assert len(found) >= 10, "README parse found too few blocks"
+    found = [b for page in PAGES for b in blocks(page)]
+    assert len(blocks()) >= 5 and len(found) >= 15, "the README / docs parse found too few blocks"
     for b in found:
         if b["skip"] is not None:
-            assert len(b["skip"]) > 10, f"README.md:{b['line']}: give the reason a block is not run"
+            assert len(b["skip"]) > 10, f"{b['page']}:{b['line']}: give the reason a block is not run"
         elif b["lang"]:
-            assert b["lang"] in CODE_LANGS, (f"README.md:{b['line']}: ```{b['lang']} is not run by this test; "
+            assert b["lang"] in CODE_LANGS | DATA_LANGS, (f"{b['page']}:{b['line']}: ```{b['lang']} is not run by this test; "
                                              "use bash/python or mark it <!-- not-run: reason -->")
     assert sum(len(u) for u in units()) >= 5
     shown = [_shown(line) for b in found if b["lang"] in ("python", "py") and b["skip"] is None
@@ -149,7 +154,7 @@ def _wait_healthy(proc, port: int, timeout: float = 240):
 def _run_shell(block, port, servers):
     from dinfer_jax import cli
     for argv, expect, bg in _commands(_substitute(block["code"], port)):
-        where = f"README.md:{block['line']}: {' '.join(argv)}"
+        where = f"{block['page']}:{block['line']}: {' '.join(argv)}"
         if argv[0] == "dinfer-jax" and bg:
             p = subprocess.Popen([sys.executable, "-m", "dinfer_jax.cli"] + argv[1:], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
@@ -188,7 +193,7 @@ from dinfer_jax import cli as _cli  # noqa: E402
 _REAL_LOAD = _cli._load_model
 
 
-@pytest.mark.parametrize("unit", units(), ids=lambda u: f"line{u[0]['line']}")
+@pytest.mark.parametrize("unit", units(), ids=lambda u: f"{u[0]['page']}:{u[0]['line']}")
 def test_readme_block_runs(unit, monkeypatch):
     monkeypatch.setattr(_cli, "_load_model", _cached_load_model)
     port, servers = _free_port(), []
@@ -200,8 +205,8 @@ def test_readme_block_runs(unit, monkeypatch):
                     pytest.importorskip("openai")
                 out = io.StringIO()
                 with contextlib.redirect_stdout(out):
-                    exec(compile(code, f"README.md:{block['line']}", "exec"), {"__name__": "__readme__"})
-                _check_shown(code, out.getvalue(), f"README.md:{block['line']}")
+                    exec(compile(code, f"{block['page']}:{block['line']}", "exec"), {"__name__": "__readme__"})
+                _check_shown(code, out.getvalue(), f"{block['page']}:{block['line']}")
             else:
                 if "curl " in code and not any(os.access(os.path.join(d, "curl"), os.X_OK)
                                                for d in os.environ.get("PATH", "").split(os.pathsep)):
