@@ -37,7 +37,7 @@ import tempfile
 import time
 import warnings
 
-from dinfer_jax.engine import ids_until_stop
+from dinfer_jax.decoding.rows import ids_until_stop
 
 DTYPES = ("bfloat16", "float16", "float32")
 MODEL_HELP = ("dinfer-jax checkpoint or HF folder, or 'demo' / 'demo-block' (the built-in demo models; "

@@ -44,8 +44,9 @@ import time
 
 import numpy as np
 
-from dinfer_jax.decoding.segments import RunningBatch
-from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, row_record, same_program
+from dinfer_jax.decoding.segments import RunningBatch, abstract_state
+from dinfer_jax.decoding.rows import row_record
+from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, same_program
 from dinfer_jax.server import Batcher, Cancelled, log
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
@@ -297,23 +298,49 @@ class ContinuousBatcher(Batcher):
             if size is None:
                 continue
             target = next((rb for rb in group if rb.B == size), None)
+            if target is None and not self.gen.segment_programs_ready(spec, gen_start, size):
+                self._compile_async(spec, gen_start, size)  # a later round moves them
+                continue
+            # into a new batch: one source per round (the mover into an empty batch), the rest after
+            sources = sorted((rb for rb in group if rb is not target), key=lambda rb: -rb.running)
+            sources = sources[:1] if target is None else sources
+            keys = [self.gen.move_key(spec, gen_start, rb.B, size, target is None) for rb in sources]
+            missing = [(k, rb) for k, rb in zip(keys, sources) if not self.gen.move_ready(k)]
+            if missing:  # the small mover programs compile on the compile thread, never here
+                for k, rb in missing:
+                    self._compile_mover(k, None if target is None else abstract_state(target.state),
+                                        abstract_state(rb.state))
+                continue
             if target is None:
-                if not self.gen.segment_programs_ready(spec, gen_start, size):
-                    self._compile_async(spec, gen_start, size)  # the next round moves them
-                    continue
                 target = self._adopt(RunningBatch(self.gen, spec, gen_start, size))
                 with self.cond:
                     self.batches.append(target)
-            for rb in group:
-                if rb is not target:
-                    try:  # atomic: a move that fails leaves both batches as they were
-                        target.take_rows(rb, [b for b, j in enumerate(rb.slots) if j is not None])
-                    except Exception as e:
-                        log.warning("moving %d row(s) from a B=%d batch into a B=%d one failed (%s: %s); "
-                                    "they decode on where they are", rb.running, rb.B, size, type(e).__name__, e)
-                        break
+            for rb in sources:
+                try:  # atomic: a move that fails leaves both batches as they were
+                    target.take_rows(rb, [b for b, j in enumerate(rb.slots) if j is not None])
+                except Exception as e:
+                    log.warning("moving %d row(s) from a B=%d batch into a B=%d one failed (%s: %s); "
+                                "they decode on where they are", rb.running, rb.B, size, type(e).__name__, e)
+                    break
+                with self.cond:
+                    self.stats["repacked"] += 1
+
+    def _compile_mover(self, key, dst_abstract, src_abstract):
+        """Compile a row mover (Generator.move_program) on the compile thread; once per key."""
+        with self.cond:
+            old = self._compiling.get(key)
+            if old is not None and (not old.done() or old.exception() is not None):
+                return  # running, or failed (logged once): those rows stay where they are
+            fut = self._compiler.submit(self.gen.move_program, key, dst_abstract, src_abstract)
+            self._compiling[key] = fut
+            self.stats["background_compiles"] += 1
+
+        def done(f):
+            if f.exception() is not None:
+                log.warning("compiling a row mover %s failed: %s", key[3:], f.exception())
             with self.cond:
-                self.stats["repacked"] += 1
+                self.cond.notify_all()
+        fut.add_done_callback(done)
 
     def _run_templated(self):
         """Decode the waiting templated jobs (infill, structured output) as static batches, grouped by

@@ -22,6 +22,7 @@ from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.loop import (CACHES, KNOBS, LOGPROB_BUCKETS, ROW_KNOBS, DecodeSpec, bucket_gen_length,
                                       generate_loop, joins_program, logprob_bucket, program_spec, refresh_rows_for,
                                       same_program)
+from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
@@ -200,7 +201,7 @@ class SamplingParams:
     sub_block_cache: bool = False
     # Per-token log-probabilities (None: off): each generated token's log-probability and the
     # `logprobs` (0..20) most probable alternatives, under the distribution of the step that committed
-    # it (decoding/loop.commit_record: log_softmax of the logits the decoder received, fp32, before
+    # it (decoding/row_state.commit_record: log_softmax of the logits the decoder received, fp32, before
     # temperature / top-k / top-p; not a left-to-right likelihood). GenerationResult.token_logprobs /
     # top_logprobs. The commit step of each token (GenerationResult.commit_steps) is always recorded.
     logprobs: int | None = None
@@ -389,22 +390,6 @@ class GenerationResult:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
-def row_record(rec: dict, b: int, n: int, top_n: int | None):
-    """Row b's commit record (decoding/loop.record_region, host arrays over the generation region)
-    for its first n tokens -> (commit steps, token logprobs | None, top logprobs | None); top_n:
-    the request's SamplingParams.logprobs (None: no logprobs)."""
-    steps = [int(v) for v in rec["commit_it"][b, :n]]
-    if top_n is None or "commit_lp" not in rec:
-        return steps, None, None
-    written = rec["commit_it"][b, :n] >= 0
-    lps = [float(v) if w else float("nan") for v, w in zip(rec["commit_lp"][b, :n], written)]
-    tops = [[] for _ in range(n)]
-    if top_n > 0:
-        ids, vals = rec["top_ids"][b, :n, :top_n], rec["top_lp"][b, :n, :top_n]
-        tops = [[(int(i), float(v)) for i, v in zip(ids[j], vals[j])] if written[j] else [] for j in range(n)]
-    return steps, lps, tops
-
-
 def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
     """prompts (a flat id list = one prompt, a list of id lists, (L,) or (B, L) array) -> int32 rows."""
     if isinstance(prompts, (str, bytes)) or (isinstance(prompts, (list, tuple)) and prompts
@@ -507,6 +492,27 @@ class Generator:
                     jax.jit(merge_rows, donate_argnums=(0,)),
                     jax.jit(counted(init), static_argnums=(7,)))  # init over cached prompt K/V
         return self._programs.get(("segments", spec, gen_start, batch), build)
+
+    @staticmethod
+    def move_key(spec: DecodeSpec, gen_start: int, src_batch: int, dst_batch: int, fresh: bool) -> tuple:
+        """The program cache key of a row mover (decoding/segments.move_rows) between continuous
+        batches of these sizes (fresh: into an empty batch)."""
+        return ("move", spec, gen_start, src_batch, dst_batch, fresh)
+
+    def move_ready(self, key: tuple) -> bool:
+        return key in self._programs
+
+    def move_program(self, key: tuple, dst_abstract, src_abstract):
+        """The compiled row mover under `key` (`move_key`) for states of these shapes
+        (segments.abstract_state; dst None: into an empty batch), compiled now when absent (outside
+        the cache's lock, so a background compile never holds up the scheduler's lookups)."""
+        from dinfer_jax.decoding.segments import move_rows
+        if key in self._programs:
+            return self._programs.get(key, None)
+        dst_batch = key[4]
+        row = lambda dt: jax.ShapeDtypeStruct((dst_batch,), dt, sharding=self.model.batch_sharding((dst_batch,)))  # noqa: E731
+        compiled = jax.jit(move_rows).lower(dst_abstract, src_abstract, row(np.int32), row(np.bool_)).compile()
+        return self._programs.get(key, lambda: compiled)
 
     def segment_programs_ready(self, spec: DecodeSpec, gen_start: int, batch: int, width: int | None = None) -> bool:
         """Whether `warm_segment_programs` compiled this continuous batch's programs (and the prefix
@@ -749,14 +755,6 @@ def constrained_spec(spec: DecodeSpec, n_classes: int) -> DecodeSpec:
         raise InvalidParam("indel" if spec.indel else "templates", str(e)) from None
 
 
-def knob_value(p: SamplingParams, k: str) -> float:
-    """The per-row value of knob `k` (loop.ROW_KNOBS) for SamplingParams p."""
-    v = getattr(p, k)
-    if v is None:  # editing_threshold None: no editing (unused), or with indel SGLang's edit_threshold 0
-        return 0.0 if p.indel else 1.0
-    return v
-
-
 def check_model(spec: DecodeSpec, cfg) -> DecodeSpec:
     """spec, or InvalidParam when the model cannot decode it: block diffusion needs block-causal
     attention; indel needs the model's DELETE / SPLIT token ids."""
@@ -794,29 +792,6 @@ def _warn_family_conflict(cfg, p: SamplingParams):
     if msg is not None and (cfg.family, msg) not in _WARNED:
         _WARNED.add((cfg.family, msg))
         warnings.warn(msg, FamilyWarning, stacklevel=3)
-
-
-def ids_until_stop(gen_G, stop_ids, mask_id: int) -> tuple[list[int], bool]:
-    """A generation region -> (its ids before the first stop id or undecoded (mask) position,
-    whether a stop id ended them)."""
-    out = []
-    for t in gen_G:
-        t = int(t)
-        if t == mask_id:
-            return out, False
-        if t in stop_ids:
-            return out, True
-        out.append(t)
-    return out, False
-
-
-def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int], float]:
-    """One row's generation region -> (ids cut before the first stop id unless ignore_eos, tokens
-    per forward: its non-EOS, non-mask tokens / nfe)."""
-    toks = raw_G.tolist()
-    cut = len(toks) if ignore_eos else next((i for i, t in enumerate(toks) if t in cfg.stop_ids), len(toks))
-    real = int(np.sum((raw_G != cfg.eos_id) & (raw_G != cfg.mask_token_id)))
-    return toks[:cut], real / max(1, nfe)
 
 
 def generate(model, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,

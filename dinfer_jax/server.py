@@ -49,7 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dinfer_jax.decoding import strategies
 from dinfer_jax.canvas_template import template_classes
-from dinfer_jax.engine import (MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, constrained_spec, ids_until_stop,
+from dinfer_jax.decoding.rows import ids_until_stop
+from dinfer_jax.engine import (MAX_LOGPROBS, PROMPT_BUCKET, InvalidParam, SamplingParams, constrained_spec,
                                templated_params)
 from dinfer_jax.json_template import SchemaError
 from dinfer_jax.structured import REQUEST_FIELDS, build_constraint, constraint_from_request
@@ -224,7 +225,7 @@ class Job:
     answered: bool = False  # its result / error was handed to its future (once, whoever comes first)
     stop: tuple = ()  # stop strings (dinfer_jax/stop_strings.py)
     # Streaming rows whose chunks carry per-token records (logprobs / step map): the ids already
-    # attributed to a chunk, and the row's commit record (engine.row_record's (steps, logprobs, top),
+    # attributed to a chunk, and the row's commit record (decoding/rows.row_record's (steps, logprobs, top),
     # a prefix of the generation region) as last read, which `_emit` attributes from.
     records: bool = False
     sent_ids: int = 0
@@ -1266,7 +1267,7 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         if name not in (None, "", cfg.model_name):
             raise BadRequest(f"model {name!r} is not served here (this server has {cfg.model_name!r})", "model", 404)
 
-    # ---- per-token records: logprobs (decoding/loop.commit_record: the distribution of the step that
+    # ---- per-token records: logprobs (decoding/row_state.commit_record: the distribution of the step that
     # committed the token) and the commit-step map (dLLM extension)
 
     def token_text(t: int) -> str:

@@ -197,8 +197,13 @@ def test_a_drained_batch_moves_its_rows_into_a_smaller_one():
     texts = ["sort 5391=", "add 12+34=", "next abcdefgh=", "add 7+8="]
     lens = [24, 24, 24, 32]
     b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="demo", max_batch=4), segment=1)
-    for size in (1, 4):  # as --warmup does: the move waits for nothing
-        b._warmup_batch(sp(32), size, np.asarray(tok.encode(texts[2]), np.int32))
+    ids = np.asarray(tok.encode(texts[2]), np.int32)
+    for size in (1, 4):  # as --warmup does: the move waits for no compile
+        b._warmup_batch(sp(32), size, ids)
+    four, one = (b._running_batch(sp(32), n, len(ids), 32) for n in (4, 1))
+    four.admit([(0, ids, sp(24))])
+    one.take_rows(four, [0])  # compiles the 4 -> empty 1 mover (the server compiles it in the background)
+    assert model.generator.move_ready(model.generator.move_key(four.spec, four.gen_start, 4, 1, True))
     seen = []
     step = b._segment
     b._segment = lambda rb: (seen.append((rb.B, rb.running)), step(rb))[1]

@@ -68,7 +68,7 @@ Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
   M2T from the same forward.
   A block ends when it has no mask (no editing), or (editing) when a forward on the fully
   unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
-Commit record (loop.commit_record): every M2T / T2T write records its step (and, with logprobs,
+Commit record (row_state.commit_record): every M2T / T2T write records its step (and, with logprobs,
 the distribution of `logits` before the sampler's temperature / top-k / top-p); a position edited
 later takes its last write. indel: the step a slot's token last changed (rebuilds shift tokens);
 logprobs are refused with indel.
@@ -120,6 +120,8 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding.constraint import constrain_logits
+from dinfer_jax.decoding.observe import emit
+from dinfer_jax.decoding.row_state import commit_record, commit_record_init, row_gen_end
 from dinfer_jax.decoding.strategies import forbid_eos, rank_desc
 
 
@@ -365,7 +367,6 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     Bk, M = spec.block_length, spec.mask_id
     sh, sb = spec.logit_shift, spec.sub_block_length
     sbc = spec.sub_block_cache
-    from dinfer_jax.decoding.loop import commit_record, commit_record_init, row_gen_end
     gen_end = gen_start + spec.gen_length  # the program's generation region (static)
     gen_end_B = row_gen_end(knobs, gen_start, spec)  # each row's
     idx_L = jnp.arange(Lc, dtype=jnp.int32)
@@ -543,7 +544,6 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             new.update(ind=ind, inserts=s["inserts"] + jnp.where(active, n_ins, 0),
                        deletes=s["deletes"] + jnp.where(active, n_del, 0))
         if spec.observe:
-            from dinfer_jax.decoding.observe import emit
             emit(observer_id, s["iters"], x[:, gen_start:gen_end], new["blk"], done, active)
         return {**s, **new}
 

@@ -52,7 +52,10 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding import strategies as st
+from dinfer_jax.decoding.block_loop import block_loop_functions
 from dinfer_jax.decoding.constraint import constrain_logits
+from dinfer_jax.decoding.observe import emit
+from dinfer_jax.decoding.row_state import commit_record, commit_record_init, record_region, row_gen_end
 
 CACHES = ("none", "prefix", "dual", "vicinity", "block")  # "block": block diffusion (decoding/block_loop.py)
 LOGPROB_BUCKETS = (0, 5, 20)  # DecodeSpec.logprobs values: top-N alternatives recorded (a request's N rounds up)
@@ -197,58 +200,12 @@ def logprob_bucket(n: int) -> int:
     return next(b for b in LOGPROB_BUCKETS if b >= n)
 
 
-def commit_record_init(B: int, Lc: int, spec) -> dict:
-    """The per-row commit record leaves of the loop state (batch on axis 0, canvas positions L):
-    commit_it (B, L) int32: the row's iteration (its own `it`) that wrote the token now at each
-    position, -1 where the decoder never wrote (prompt, pads, undecoded masks, early-stop fill);
-    with spec.logprobs = N >= 0 also commit_lp (B, L) fp32, the written token's log-probability,
-    and with N > 0 top_ids (B, L, N) int32 / top_lp (B, L, N) fp32, the N most probable tokens
-    there (descending; ties: lower id) and their log-probabilities (`commit_record` defines them)."""
-    rec = {"commit_it": jnp.full((B, Lc), -1, jnp.int32)}
-    if spec.logprobs >= 0:
-        rec["commit_lp"] = jnp.zeros((B, Lc), jnp.float32)
-    if spec.logprobs > 0:
-        rec["top_ids"] = jnp.zeros((B, Lc, spec.logprobs), jnp.int32)
-        rec["top_lp"] = jnp.zeros((B, Lc, spec.logprobs), jnp.float32)
-    return rec
-
-
-def commit_record(s, wrote_BS, tok_BS, logits_BSV, start_B, spec) -> dict:
-    """The commit record leaves (`commit_record_init`) after a step that wrote tok_BS where wrote_BS
-    into each row's window [start_b, start_b + S) of the canvas; a rewritten position (editing)
-    takes the values of its last write. The log-probability is log_softmax(logits_BSV) in fp32:
-    the logits the strategy received for that position at this step (the model's output, with the
-    EOS ban of ignore_eos / min_tokens applied), before any temperature, top-k / top-p, credit or
-    Dream filter -- the distribution of the committing step, not a left-to-right likelihood."""
-    S = wrote_BS.shape[1]
-    old = window_slice(s["commit_it"], start_B, S)
-    out = {"commit_it": window_write(s["commit_it"], jnp.where(wrote_BS, s["it"][:, None], old), start_B)}
-    if spec.logprobs < 0:
-        return out
-    lp = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(lp, tok_BS[..., None], axis=-1)[..., 0]
-    out["commit_lp"] = window_write(s["commit_lp"], picked, start_B, wrote_BS)
-    if spec.logprobs > 0:
-        vals, ids = jax.lax.top_k(lp, spec.logprobs)
-        out["top_lp"] = window_write(s["top_lp"], vals, start_B, wrote_BS)
-        out["top_ids"] = window_write(s["top_ids"], ids.astype(jnp.int32), start_B, wrote_BS)
-    return out
-
-
 KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
          "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens",
          "alg_temp", "eps", "confidence_before_filter", "eb_threshold")
 # Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
 # a multiple of the block; continuous batches mix lengths in one program, generate() does not).
 ROW_KNOBS = KNOBS + ("gen_length",)
-
-
-def row_gen_end(knobs, gen_start: int, spec):
-    """Per-row end of the generation region (B,): gen_start + the row's gen_length (spec.gen_length
-    when the knob is absent)."""
-    if "gen_length" not in knobs:
-        return jnp.full(knobs["seed"].shape, gen_start + spec.gen_length, jnp.int32)
-    return gen_start + jnp.minimum(knobs["gen_length"].astype(jnp.int32), spec.gen_length)
 
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
@@ -295,16 +252,6 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     return final["x"], stats
 
 
-RECORD_KEYS = ("commit_it", "commit_lp", "top_ids", "top_lp")  # commit_record_init's leaves
-
-
-def record_region(state, gen_start: int, gen_length: int) -> dict:
-    """The commit record leaves of a loop state over the generation region [gen_start, gen_start +
-    gen_length) of the canvas: {commit_it (B, G), commit_lp (B, G), top_ids / top_lp (B, G, N)},
-    those present."""
-    return {k: state[k][:, gen_start:gen_start + gen_length] for k in RECORD_KEYS if k in state}
-
-
 def loop_stats(state, stat_keys) -> dict:
     """The counters a finished (or paused) loop state reports (GenerationResult's stats)."""
     stats = {k: state[k] for k in stat_keys}
@@ -334,7 +281,6 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
     step where n >= 1 rows need the full-canvas forward gathers them into an Ri-row forward, the
     smallest Ri >= n (`refresh_rows_for`); more rows than every Ri run it on all B."""
     if spec.cache == "block":
-        from dinfer_jax.decoding.block_loop import block_loop_functions
         return block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, Lc, knobs, observer_id)
     cfg = module.cfg
     B = pad_B.shape[0]
@@ -512,7 +458,6 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             iters=s["iters"] + 1,
         )
         if spec.observe:
-            from dinfer_jax.decoding.observe import emit
             emit(observer_id, s["iters"], x[:, gen_start:gen_end], new_state["blk"], done, active)
         return {**s, **new_state}
 

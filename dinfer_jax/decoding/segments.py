@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.decoding.loop import (ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, record_region,
-                                      same_program)
+from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, same_program
+from dinfer_jax.decoding.row_state import record_region
+from dinfer_jax.decoding.rows import knob_value, row_output, row_record
+from dinfer_jax.sharding import to_host
 
 BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K, H) caches)
 
@@ -73,7 +75,11 @@ def move_rows(dst: dict | None, src: dict, src_of_D, take_D) -> dict:
     return out
 
 
-_move_rows = jax.jit(move_rows)
+def abstract_state(state: dict | None):
+    """The shapes, dtypes and shardings of a loop state (None stays None): what a mover compiles for."""
+    if state is None:
+        return None
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
 
 
 def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_rows: tuple[int, ...] = ()):
@@ -117,7 +123,7 @@ class RowResult:
     """One finished row: generated ids (cut at the first stop id), the raw generation region, its
     forwards, tokens per forward, edits (block diffusion), whether masks were left (the row hit its
     iteration bound: non-finite logits, or a model that keeps predicting the mask id), and the
-    commit record over the raw region (engine.row_record, as GenerationResult's, but over all of
+    commit record over the raw region (rows.row_record, as GenerationResult's, but over all of
     raw_ids rather than token_ids: callers cut it where they cut the ids)."""
     tag: Any
     token_ids: list[int]
@@ -192,7 +198,6 @@ class RunningBatch:
                 raise ValueError("a row's SamplingParams select a different compiled program than this batch's")
             if not self.fits(len(ids)):
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the batch's bucket ({self.gen_start})")
-        from dinfer_jax.engine import knob_value
         for (tag, ids, sp), b in zip(items, free):
             glen = min(sp.gen_length, spec.gen_length)
             canvas[b, self.gen_start - len(ids):self.gen_start] = ids
@@ -221,10 +226,16 @@ class RunningBatch:
         self.state = fresh if self.state is None else self._merge(self.state, fresh, put(take))
         return used
 
+    def move_key(self, src: "RunningBatch") -> tuple:
+        """The Generator's key of the program that moves src's rows into this batch."""
+        return self.gen.move_key(self.spec, self.gen_start, src.B, self.B, self.state is None)
+
     def take_rows(self, src: "RunningBatch", slots: list[int]) -> list[int]:
         """Move src's running rows `slots` into free slots of this batch (same program settings and
         prompt bucket; any batch size): their loop state and row context move whole, so each row goes
-        on exactly as it would have in src (tests/test_segments.py). -> the slots they took here."""
+        on exactly as it would have in src (tests/test_segments.py). The move is one small compiled
+        program per (sizes, whether this batch is empty): `Generator.move_program` (compiled here when
+        absent; the server compiles it on its compile thread first). -> the slots they took here."""
         if (src.spec, src.gen_start) != (self.spec, self.gen_start):
             raise ValueError("rows move only between batches of the same program settings and prompt bucket")
         slots = list(slots)
@@ -240,7 +251,8 @@ class RunningBatch:
         take = np.zeros((self.B,), bool)
         src_of[used], take[used] = slots, True
         put = self.gen.model.place_batch  # the gathered rows land sharded as this batch's
-        state = _move_rows(self.state, src.state, put(src_of), put(take))  # nothing changes before this
+        mover = self.gen.move_program(self.move_key(src), abstract_state(self.state), abstract_state(src.state))
+        state = mover(self.state, src.state, put(src_of), put(take))  # nothing changes before this
         for d, b in zip(used, slots):
             self.pad[d], self.plen[d], self.glen[d] = src.pad[b], src.plen[b], src.glen[b]
             for k in ROW_KNOBS:
@@ -339,24 +351,20 @@ class RunningBatch:
 
     def progress(self):
         """Host copies of the running canvas' generation region (B, G), block index (B,) and done (B,)."""
-        from dinfer_jax.engine import to_host
         s = self.state
         return (to_host(s["x"])[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s["blk"]),
                 to_host(s["done"]))
 
     def progress_steps(self) -> np.ndarray:
         """Host copy of each row's decoder steps since its admission (B,) int32 (the state's `it`)."""
-        from dinfer_jax.engine import to_host
         return to_host(self.state["it"])
 
     def progress_record(self) -> dict:
-        """Host copies of the running commit record over the generation region (loop.record_region:
+        """Host copies of the running commit record over the generation region (row_state.record_region:
         commit_it (B, G), and with logprobs commit_lp (B, G), top_ids / top_lp (B, G, N))."""
-        from dinfer_jax.engine import to_host
         return {k: to_host(v) for k, v in record_region(self.state, self.gen_start, self.spec.gen_length).items()}
 
     def _read(self, rows: list[int]) -> list[RowResult]:
-        from dinfer_jax.engine import row_output, row_record, to_host
         spec, cfg = self.spec, self.cfg
         s = self.state
         canvas = to_host(s["x"])
