@@ -8,7 +8,11 @@ The demo model at its defaults (one block of 16 per request: one or two forwards
 configuration: a RunningBatch of B slots; before every segment (at most 8 iterations; it ends as
 soon as a row finishes) up to A waiting prompts are admitted into free slots, as a server does when
 A requests arrived since the last segment; rows/s over `--rows` finished rows, after the programs
-are compiled (warm_segment_programs). Static: `generate` on batches of 16 prompts.
+are compiled (warm_segment_programs). Static: `generate` on batches of 16 prompts. "+ repack": the
+server's rule between segments (continuous.repack_size): the rows move into a batch of the
+power-of-two size covering them and the next admissions when that halves the slots (every size and
+its row mover compiled first, as the server does on its compile thread). Arrivals beyond a batch's
+free slots wait for the next segment (the server would open a second batch for them).
 """
 from __future__ import annotations
 
@@ -25,18 +29,43 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dinfer_jax import load_model  # noqa: E402
 from dinfer_jax.checkpoint import DEMO_MODEL_DIR  # noqa: E402
+from dinfer_jax.continuous import repack_size  # noqa: E402
+from dinfer_jax.decoding.segments import RunningBatch, abstract_state  # noqa: E402
 from dinfer_jax.engine import SamplingParams, generate  # noqa: E402
 from dinfer_jax.tasks import sample  # noqa: E402
 from dinfer_jax.tokenizer import load_tokenizer  # noqa: E402
 
 
-def continuous(model, params, prompts, batch: int, admit: int, rows: int) -> dict:
-    rb = model.generator.running_batch(params, batch, 32)
-    model.generator.warm_segment_programs(rb.spec, rb.gen_start, batch)
+def continuous(model, params, prompts, batch: int, admit: int, rows: int, repack: bool = False) -> dict:
+    """repack: the scheduler's rule (continuous.repack_size) between segments: the rows move into a
+    batch of the power-of-two size covering them and the next admissions, when that halves the slots."""
+    gen = model.generator
+    rb = gen.running_batch(params, batch, 32)
+    sizes = [batch]
+    while repack and sizes[-1] > 1:
+        sizes.append(sizes[-1] // 2)
+    states = {}
+    for b in sizes:
+        gen.warm_segment_programs(rb.spec, rb.gen_start, b)
+        if repack:  # a state of this size: what the movers compile for
+            tmp = RunningBatch(gen, rb.spec, rb.gen_start, b)
+            tmp.admit([(0, prompts[0], params)])
+            states[b] = abstract_state(tmp.state)
+    for src in states:
+        for dst in states:
+            if src != dst:
+                gen.move_program(gen.move_key(rb.spec, rb.gen_start, src, dst, True), None, states[src])
     t_admit = t_step = 0.0
-    segments = done = k = 0
+    segments = done = k = moves = 0
     t0 = time.perf_counter()
     while done < rows:
+        queued = min(admit, len(prompts) - k)
+        size = repack_size(rb.running, queued, [rb.B], batch) if repack else None
+        if size is not None and size != rb.B:  # (arrivals beyond the free slots wait a segment; the server
+            # would open a second batch for them)
+            small = RunningBatch(gen, rb.spec, rb.gen_start, size)
+            small.take_rows(rb, [b for b, t in enumerate(rb.slots) if t is not None])
+            rb, moves = small, moves + 1
         n = min(len(rb.free), admit, len(prompts) - k)
         if n:
             t = time.perf_counter()
@@ -49,7 +78,8 @@ def continuous(model, params, prompts, batch: int, admit: int, rows: int) -> dic
         t_step += time.perf_counter() - t
         segments += 1
     total = time.perf_counter() - t0
-    return {"batch": batch, "admit_per_segment": admit, "rows": done, "rows_per_s": round(done / total, 1),
+    return {"batch": batch, "admit_per_segment": admit, "repack": repack, "moves": moves, "rows": done,
+            "rows_per_s": round(done / total, 1),
             "segments": segments, "admit_s": round(t_admit, 3), "segment_s": round(t_step, 3),
             "ms_per_segment": round(1e3 * t_step / segments, 2)}
 
@@ -74,11 +104,12 @@ def main(argv=None):
     params = SamplingParams.for_model(model.config, DEMO_MODEL_DIR)
     prompts = [np.asarray(tok.encode(s["prompt"]), np.int32) for s in sample(2 * a.rows + 64, seed=1)]
     rows = []
-    for batch, admit in ((16, 16), (16, 8), (16, 2), (4, 4), (4, 2)):
-        r = continuous(model, params, prompts, batch, admit, a.rows)
+    for batch, admit, repack in ((16, 16, False), (16, 8, False), (16, 2, False), (16, 2, True), (4, 4, False),
+                                 (4, 2, False)):
+        r = continuous(model, params, prompts, batch, admit, a.rows, repack)
         rows.append(r)
-        print(f"| continuous | {batch} | {admit} | {r['rows_per_s']} | {r['segments']} | {r['ms_per_segment']} |",
-              flush=True)
+        print(f"| continuous{' + repack' if repack else ''} | {batch} | {admit} | {r['rows_per_s']} | "
+              f"{r['segments']} | {r['ms_per_segment']} |", flush=True)
     s = static(model, params, prompts, a.rows)
     print(f"| static | 16 | 16 (whole batches) | {s['rows_per_s']} | - | - |")
     if a.out:

@@ -225,7 +225,8 @@ def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 6
     out = {"mode": "closed", "duration": duration, "max_tokens_mix": list(mix), "max_batch": max_batch,
            "levels": list(levels), "segment": segment, "cache": cache, "rows": []}
     for sched in schedulers:
-        kw = dict(model_name="demo", max_batch=max_batch, max_queue=100000, scheduler=sched,
+        kw = dict(model_name="demo", max_batch=max_batch, max_queue=100000, scheduler=sched.split("-")[0],
+                  repack=sched != "continuous-norepack",
                   default_params=SamplingParams(block_length=16, **({"cache": cache} if cache else {})),
                   **({"segment": segment} if segment else {}),
                   # as `serve --warmup --warmup-max-tokens <mix>`: every batch bucket compiled first
@@ -293,7 +294,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", default="16,32,64", help="comma-separated max_tokens mix")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--segment", type=int, default=None, help="continuous scheduler: iterations per segment")
-    ap.add_argument("--schedulers", default="static,continuous")
+    ap.add_argument("--schedulers", default="static,continuous",
+                    help="comma-separated: static, continuous, continuous-norepack (closed loop: without repacking)")
     ap.add_argument("--cache", default=None, help="the server's default cache (default: the demo's dual)")
     ap.add_argument("--concurrency", default=None,
                     help="closed loop instead of Poisson arrivals: comma-separated client counts, e.g. 1,8,64,200")

@@ -862,7 +862,7 @@ def cmd_serve(a):
                        max_batch=a.max_batch, max_queue=a.max_queue, batch_wait_s=a.batch_wait_ms / 1000,
                        max_steps=a.max_steps, max_post_steps=a.max_post_steps_limit,
                        request_timeout_s=a.request_timeout or None, warmup=a.warmup, scheduler=a.scheduler,
-                       segment=a.segment, prefix_cache_mb=a.prefix_cache_mb,
+                       segment=a.segment, repack=not a.no_repack, prefix_cache_mb=a.prefix_cache_mb,
                        warmup_max_tokens=a.warmup_max_tokens or (), warmup_prompt_len=a.warmup_prompt_len,
                        max_body_bytes=int(a.max_body_mb * 2 ** 20), max_prompt_chars=a.max_prompt_chars,
                        watchdog_s=a.watchdog, compile_watchdog_s=a.compile_watchdog, drain_timeout_s=a.drain_timeout,
@@ -1068,6 +1068,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--segment", type=_positive, default=8,
                     help="continuous scheduler: loop iterations per segment at most (a segment also ends when a "
                          "row finishes)")
+    sv.add_argument("--no-repack", action="store_true",
+                    help="continuous scheduler: keep rows in the batch they started in (by default a draining "
+                         "program's rows move into a smaller batch)")
     sv.add_argument("--prefix-cache-mb", type=_nonneg_float, default=256.0,
                     help="continuous scheduler, block-causal models (LLaDA2.x, SDAR): MiB of device memory for the "
                          "K/V of prompt blocks shared between requests, least recently used out first (0: off)")

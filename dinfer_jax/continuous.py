@@ -15,9 +15,10 @@ power of two covering the waiting rows that join it plus the rows already runnin
 (at most max_batch): a lone request decodes in a batch of one (as fast as the static scheduler),
 a loaded program grows. When a program's batches drain, their rows move into one smaller batch
 (`repack_size`, `RunningBatch.take_rows`: a B-slot program costs B rows whatever the number
-running). A batch is dropped when it runs empty (its compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs (threshold, temperature,
-seed, ...) differ freely. A job that fits no running batch waits for one to drain (FIFO among
-equals; other jobs may pass it). A job that cannot be planned, admitted or decoded fails alone
+running; the movers compile on the compile thread). A batch is dropped when it runs empty (its
+compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs
+(threshold, temperature, seed, ...) differ freely. A job that fits no running batch waits for one
+to drain (FIFO among equals; other jobs may pass it). A job that cannot be planned, admitted or decoded fails alone
 (or with its batch, for a failing program); the scheduler goes on.
 
 Compilation never stalls the running rows: a new program (spec, prompt bucket, batch size) not yet
@@ -88,6 +89,7 @@ class ContinuousBatcher(Batcher):
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dinfer-compile")
         self._compiling: dict = {}  # program key -> Future (background compiles)
         self._compile_started: dict = {}  # program key -> monotonic start (the watchdog reads it)
+        self._move_failed: set = set()  # row mover keys that failed to compile or run (not retried)
         super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
 
     # ---- background compilation (the compile thread)
@@ -98,6 +100,9 @@ class ContinuousBatcher(Batcher):
         key = (spec, gen_start, batch, width)
         with self.cond:
             fut = self._compiling.get(key)
+            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None and \
+                    not self.gen.segment_programs_ready(spec, gen_start, batch, width):
+                fut = None  # compiled once, dropped from the program cache since: compile again
             if fut is None:
                 widths = () if width is None else (width,)
 
@@ -186,12 +191,22 @@ class ContinuousBatcher(Batcher):
 
     def _warmup_batch(self, p, size, ids) -> int:
         """Compile a RunningBatch of `size` slots for prompts of len(ids) (its bucket): what `_pick`
-        checks before a new batch of this kind runs."""
+        checks before a new batch of this kind runs; and (repacking on) the movers from it into an
+        empty batch of each smaller size. -> programs compiled."""
         rb = self._running_batch(p, size, len(ids), bucket_gen_length(p.spec_for(self.gen.model.config)))
-        if self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
-            return 0
-        self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)
-        return 1
+        n = 0
+        if not self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
+            self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)
+            n = 1
+        smaller = [d for d in self._warmup_sizes() if d < size]
+        if self.cfg.repack and smaller:  # the movers that shrink this batch into an empty smaller one
+            rb.admit([(0, ids, p)], check=False)  # a state of this size (its init is compiled)
+            for d in smaller:
+                key = self.gen.move_key(rb.spec, rb.gen_start, size, d, True)
+                if not self.gen.move_ready(key):
+                    self.gen.warm_move_program(key, None, abstract_state(rb.state))
+                    n += 1
+        return n
 
     # ---- scheduling (scheduler thread)
 
@@ -279,13 +294,19 @@ class ContinuousBatcher(Batcher):
                 self.stats["waiting_for_compile"] = sum(len(rb.waiting) for rb in self.batches)
 
     def _repack(self):
-        """Size programs to their rows: where the batches of one program (settings, prompt bucket)
-        hold R running rows (plus Q queued jobs of that program) in slots adding up to at least twice
-        S = pow2(R + Q) (at most max_batch), their rows move into one batch of S slots (an existing one
-        of that size, else a new one once its programs are compiled; the emptied batches are
-        dropped). A B-slot program computes all B rows whatever the number running, so a batch that
-        filled under a burst and drains under a trickle would otherwise keep its full cost
-        (bench/continuous_occupancy.py). Rows decode on exactly as before (RunningBatch.take_rows)."""
+        """Size programs to their rows (a B-slot program computes all B rows whatever the number
+        running, so a batch that filled under a burst and drains under a trickle would otherwise
+        keep its full cost: bench/continuous_occupancy.py). For the batches of one program
+        (settings, prompt bucket) holding R running rows with Q queued jobs of that program:
+        - when their slots add up to at least twice S = pow2(R + Q) (at most max_batch), the rows
+          move into one batch of S slots (an existing one of that size, else a new one once its
+          programs are compiled; into a new batch one source per round, the largest first);
+        - else, when one of several batches can hold all R rows, the others move into it.
+        Moves strictly lower the slots, so rows never move back and forth. Every mover is compiled
+        on the compile thread first (a move never compiles here); rows decode on exactly as
+        before (RunningBatch.take_rows)."""
+        if not self.cfg.repack:
+            return
         groups = collections.OrderedDict()
         for rb in self.batches:
             if rb.running and not rb.waiting and not rb.failed and rb.state is not None:
@@ -295,18 +316,26 @@ class ContinuousBatcher(Batcher):
             with self.cond:
                 queued = sum(1 for j in self.pending if j.constraint is None and same_program(j.key, spec))
             size = repack_size(rows, queued, [rb.B for rb in group], self.cfg.max_batch)
-            if size is None:
+            if size is not None:
+                target = next((rb for rb in group if rb.B == size), None)
+                if target is None and not self.gen.segment_programs_ready(spec, gen_start, size):
+                    self._compile_async(spec, gen_start, size)  # a later round moves them
+                    continue
+            elif len(group) > 1:  # consolidate into the smallest batch that holds every row
+                holds = [rb for rb in group if len(rb.free) >= rows - rb.running]
+                if not holds:
+                    continue
+                target = min(holds, key=lambda rb: rb.B)
+                size = target.B
+            else:
                 continue
-            target = next((rb for rb in group if rb.B == size), None)
-            if target is None and not self.gen.segment_programs_ready(spec, gen_start, size):
-                self._compile_async(spec, gen_start, size)  # a later round moves them
-                continue
-            # into a new batch: one source per round (the mover into an empty batch), the rest after
-            sources = sorted((rb for rb in group if rb is not target), key=lambda rb: -rb.running)
+            sources = sorted((rb for rb in group if rb is not target), key=lambda rb: -rb.B)
             sources = sources[:1] if target is None else sources
             keys = [self.gen.move_key(spec, gen_start, rb.B, size, target is None) for rb in sources]
+            if any(k in self._move_failed for k in keys):
+                continue
             missing = [(k, rb) for k, rb in zip(keys, sources) if not self.gen.move_ready(k)]
-            if missing:  # the small mover programs compile on the compile thread, never here
+            if missing:
                 for k, rb in missing:
                     self._compile_mover(k, None if target is None else abstract_state(target.state),
                                         abstract_state(rb.state))
@@ -315,10 +344,12 @@ class ContinuousBatcher(Batcher):
                 target = self._adopt(RunningBatch(self.gen, spec, gen_start, size))
                 with self.cond:
                     self.batches.append(target)
-            for rb in sources:
-                try:  # atomic: a move that fails leaves both batches as they were
+                    self.stats["batches"] += 1
+            for k, rb in zip(keys, sources):
+                try:  # all or nothing: a move that fails leaves both batches as they were
                     target.take_rows(rb, [b for b, j in enumerate(rb.slots) if j is not None])
                 except Exception as e:
+                    self._move_failed.add(k)  # not tried again: those rows decode on where they are
                     log.warning("moving %d row(s) from a B=%d batch into a B=%d one failed (%s: %s); "
                                 "they decode on where they are", rb.running, rb.B, size, type(e).__name__, e)
                     break
@@ -326,17 +357,22 @@ class ContinuousBatcher(Batcher):
                     self.stats["repacked"] += 1
 
     def _compile_mover(self, key, dst_abstract, src_abstract):
-        """Compile a row mover (Generator.move_program) on the compile thread; once per key."""
+        """Compile a row mover (Generator.warm_move_program) on the compile thread; once per key (a
+        failed compile is logged and not retried: those rows stay where they are)."""
         with self.cond:
             old = self._compiling.get(key)
-            if old is not None and (not old.done() or old.exception() is not None):
-                return  # running, or failed (logged once): those rows stay where they are
-            fut = self._compiler.submit(self.gen.move_program, key, dst_abstract, src_abstract)
+            if old is not None and (not old.done() or old.cancelled() or old.exception() is not None):
+                return
+            try:
+                fut = self._compiler.submit(self.gen.warm_move_program, key, dst_abstract, src_abstract)
+            except RuntimeError:  # the compile thread is shut down (closing)
+                return
             self._compiling[key] = fut
             self.stats["background_compiles"] += 1
 
         def done(f):
-            if f.exception() is not None:
+            if not f.cancelled() and f.exception() is not None:
+                self._move_failed.add(key)
                 log.warning("compiling a row mover %s failed: %s", key[3:], f.exception())
             with self.cond:
                 self.cond.notify_all()

@@ -453,6 +453,8 @@ class Generator:
         self.compiles = 0
         self._warm: set = set()  # continuous-batch programs compiled ahead (warm_segment_programs)
         self._programs = ProgramCache(max_programs, on_evict=self._forget_warm)
+        self._movers = ProgramCache(max_programs, on_evict=lambda key: self._movers_warm.discard(key))
+        self._movers_warm: set = set()  # row movers compiled ahead (warm_move_program)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
     def _forget_warm(self, key):
@@ -500,19 +502,28 @@ class Generator:
         return ("move", spec, gen_start, src_batch, dst_batch, fresh)
 
     def move_ready(self, key: tuple) -> bool:
-        return key in self._programs
+        """Whether `warm_move_program` compiled the row mover under `key`."""
+        return key in self._movers_warm and key in self._movers
 
-    def move_program(self, key: tuple, dst_abstract, src_abstract):
-        """The compiled row mover under `key` (`move_key`) for states of these shapes
-        (segments.abstract_state; dst None: into an empty batch), compiled now when absent (outside
-        the cache's lock, so a background compile never holds up the scheduler's lookups)."""
+    def move_program(self, key: tuple):
+        """The jitted row mover under `key` (`move_key`; decoding/segments.move_rows). A call with
+        shapes `warm_move_program` did not compile compiles there (library use); the server calls
+        it only once ready. Kept in a cache of its own: these small programs never push out a
+        decoding program."""
         from dinfer_jax.decoding.segments import move_rows
-        if key in self._programs:
-            return self._programs.get(key, None)
+        return self._movers.get(key, lambda: jax.jit(move_rows))
+
+    def warm_move_program(self, key: tuple, dst_abstract, src_abstract):
+        """Compile the row mover under `key` for states of these shapes (segments.abstract_state; dst
+        None: into an empty batch) ahead of its first call, without allocating any state (the
+        jitted function's own lower().compile(): its calls then reuse the executable). Safe on a
+        background thread."""
         dst_batch = key[4]
-        row = lambda dt: jax.ShapeDtypeStruct((dst_batch,), dt, sharding=self.model.batch_sharding((dst_batch,)))  # noqa: E731
-        compiled = jax.jit(move_rows).lower(dst_abstract, src_abstract, row(np.int32), row(np.bool_)).compile()
-        return self._programs.get(key, lambda: compiled)
+        sharded = self.model.mesh is not None
+        row = lambda dt: jax.ShapeDtypeStruct(  # noqa: E731  (as place_batch puts them)
+            (dst_batch,), dt, **({"sharding": self.model.batch_sharding((dst_batch,))} if sharded else {}))
+        self.move_program(key).lower(dst_abstract, src_abstract, row(np.int32), row(np.bool_)).compile()
+        self._movers_warm.add(key)
 
     def segment_programs_ready(self, spec: DecodeSpec, gen_start: int, batch: int, width: int | None = None) -> bool:
         """Whether `warm_segment_programs` compiled this continuous batch's programs (and the prefix

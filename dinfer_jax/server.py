@@ -192,6 +192,7 @@ class ServerConfig:
     batch_wait_s: float = 0.005
     scheduler: str = "continuous"  # continuous (dinfer_jax/continuous.py) | static (Batcher: whole batches)
     segment: int = 8  # continuous: loop iterations per segment (bench/segment_cost.py)
+    repack: bool = True  # continuous: draining batches' rows move into smaller batches (continuous._repack)
     max_steps: int = 1024  # largest `steps` a request may ask (fixed / random strategies)
     max_post_steps: int = 64  # largest `max_post_steps` (block diffusion with editing)
     request_timeout_s: Optional[float] = 600.0  # None: no deadline

@@ -205,7 +205,8 @@ def test_rows_moved_between_batch_sizes_decode_as_alone(demo, tiny_llada2, kind)
     if kind == "dual":
         model, tok = demo
         prompts = [tok.encode(t) for t in ("sort 5391=", "add 12+34=", "next abcdefgh=", "add 7+8=")]
-        sps = [SamplingParams(gen_length=16, block_length=8, cache="dual", threshold=0.7, seed=i, logprobs=2)
+        sps = [SamplingParams(gen_length=16, block_length=8, cache="dual", strategy="fixed", steps=16, seed=i,
+                              logprobs=2, temperature=0.7 * (i % 2), early_stop=False)  # sampled rows: their RNG moves
                for i in range(4)]
     else:
         model = tiny_llada2
@@ -222,17 +223,25 @@ def test_rows_moved_between_batch_sizes_decode_as_alone(demo, tiny_llada2, kind)
     moved = [b for b, t in enumerate(big.slots) if t is not None][:2]
     assert moved, "every row finished in one step: nothing left to move mid-decode"
     tags = [big.slots[b] for b in moved]
+    from dinfer_jax.decoding.segments import abstract_state
+    key = small.move_key(big)  # compiled ahead, as the server's compile thread does
+    gen.warm_move_program(key, None, abstract_state(big.state))
+    assert gen.move_ready(key) and not gen.move_ready(gen.move_key(small.spec, small.gen_start, 4, 2, False))
     assert small.take_rows(big, moved) == list(range(len(moved))) and small.slots[:len(moved)] == tags
     assert all(t not in big.slots for t in tags)
     with pytest.raises(ValueError, match="only running rows"):
         small.take_rows(big, [moved[0]])
+    # the moved state is placed as an admitted one (committed-ness is part of a jitted program's
+    # signature: a mismatch recompiled the whole segment program at the next step)
+    placed = lambda st: [a.committed for a in jax.tree_util.tree_leaves(st)]  # noqa: E731
+    assert placed(small.state) == placed(big.state)
     results.update({r.tag: r for r in small.step(1)})
     results.update({r.tag: r for r in big.step(1)})
     # back into the big batch (beside its remaining row and a newly admitted one)
     big.admit([(3, np.asarray(prompts[3], np.int32), sps[3])])
     live = [b for b, t in enumerate(small.slots) if t is not None]
-    if live:
-        big.take_rows(small, live)
+    assert live, "the moved rows all finished in one step: nothing left to move back"
+    big.take_rows(small, live)
     assert small.running == 0
     for _ in range(200):
         results.update({r.tag: r for r in big.step(3)})

@@ -76,10 +76,14 @@ def move_rows(dst: dict | None, src: dict, src_of_D, take_D) -> dict:
 
 
 def abstract_state(state: dict | None):
-    """The shapes, dtypes and shardings of a loop state (None stays None): what a mover compiles for."""
+    """The shapes and dtypes of a loop state, with the shardings of committed (mesh-placed) leaves
+    (None stays None): what a row mover compiles for. An uncommitted leaf (one device) stays
+    unplaced, so the mover's outputs stay uncommitted like every other state's and the segment
+    programs see the inputs they were compiled for."""
     if state is None:
         return None
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, **({"sharding": a.sharding} if a.committed else {})), state)
 
 
 def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_rows: tuple[int, ...] = ()):
@@ -233,9 +237,11 @@ class RunningBatch:
     def take_rows(self, src: "RunningBatch", slots: list[int]) -> list[int]:
         """Move src's running rows `slots` into free slots of this batch (same program settings and
         prompt bucket; any batch size): their loop state and row context move whole, so each row goes
-        on exactly as it would have in src (tests/test_segments.py). The move is one small compiled
-        program per (sizes, whether this batch is empty): `Generator.move_program` (compiled here when
-        absent; the server compiles it on its compile thread first). -> the slots they took here."""
+        on exactly as it would have in src (tests/test_segments.py). The move is one small jitted
+        program per (sizes, whether this batch is empty), `Generator.move_program` (compiled at its
+        first call unless `Generator.warm_move_program` compiled it; the server does that on its
+        compile thread). All or nothing: a failure leaves both batches as they were. -> the slots
+        they took here."""
         if (src.spec, src.gen_start) != (self.spec, self.gen_start):
             raise ValueError("rows move only between batches of the same program settings and prompt bucket")
         slots = list(slots)
@@ -250,17 +256,23 @@ class RunningBatch:
         src_of = np.zeros((self.B,), np.int32)
         take = np.zeros((self.B,), bool)
         src_of[used], take[used] = slots, True
+        # everything that can fail first (the mover, the uploads); then the host side, all at once
+        pad, plen, glen = self.pad.copy(), self.plen.copy(), self.glen.copy()
+        knobs = {k: v.copy() for k, v in self.knobs.items()}
+        pad[used], plen[used], glen[used] = src.pad[slots], src.plen[slots], src.glen[slots]
+        for k in ROW_KNOBS:
+            knobs[k][used] = src.knobs[k][slots]
         put = self.gen.model.place_batch  # the gathered rows land sharded as this batch's
-        mover = self.gen.move_program(self.move_key(src), abstract_state(self.state), abstract_state(src.state))
-        state = mover(self.state, src.state, put(src_of), put(take))  # nothing changes before this
+        state = self.gen.move_program(self.move_key(src))(self.state, src.state, put(src_of), put(take))
+        ctx = (put(pad), put(plen), {k: put(v) for k, v in knobs.items()})
+        gone = np.zeros((src.B,), bool)
+        gone[slots] = True
+        src_done = src.state["done"] | put(gone)
+        self.state, self._ctx, self.pad, self.plen, self.glen, self.knobs = state, ctx, pad, plen, glen, knobs
         for d, b in zip(used, slots):
-            self.pad[d], self.plen[d], self.glen[d] = src.pad[b], src.plen[b], src.glen[b]
-            for k in ROW_KNOBS:
-                self.knobs[k][d] = src.knobs[k][b]
             self.top_n[d], self.slots[d] = src.top_n[b], src.slots[b]
-        self.state = state
-        self._ctx = (put(self.pad), put(self.plen), {k: put(v) for k, v in self.knobs.items()})
-        src.evict(slots)
+            src.slots[b] = None
+        src.state = {**src.state, "done": src_done}
         return used
 
     # ---- prompt prefix cache (block-causal models; decoding/prefix_cache.py)
