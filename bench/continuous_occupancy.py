@@ -54,7 +54,7 @@ def continuous(model, params, prompts, batch: int, admit: int, rows: int, repack
     for src in states:
         for dst in states:
             if src != dst:
-                gen.move_program(gen.move_key(rb.spec, rb.gen_start, src, dst, True), None, states[src])
+                gen.warm_move_program(gen.move_key(rb.spec, rb.gen_start, src, dst, True), None, states[src])
     t_admit = t_step = 0.0
     segments = done = k = moves = 0
     t0 = time.perf_counter()
