@@ -354,7 +354,7 @@ def test_a_new_length_compiles_without_delaying_warmed_lengths():
         assert r.status_code == 200
         # it did compile something new (once seen failing late in a full `-n 2` run with 0 compiles:
         # the scheduler's counters are printed so that a recurrence says what ran instead)
-        assert batcher.snapshot()["background_compiles"] > compiles0, (compiles0, batcher.snapshot())
+        assert batcher.snapshot()["background_compiles"] > compiles0, f"{compiles0} {json.dumps(batcher.snapshot())}"
         during = lat[2:]  # requests that ran while the new program compiled
         assert len(during) >= 3, (lat, new_latency)
         assert max(during) < max(0.5 * new_latency, 4 * max(base)), (base, lat, new_latency)

@@ -1,0 +1,374 @@
+"""DiffusionGemma (uniform-noise block diffusion on the Gemma-4 text stack; docs/diffusion_gemma.md
+holds every fact used here with its source line in transformers 5.25).
+
+- `config_from_hf(config.json dict) -> (Gemma4Config, canvas_length)` and `params_from_hf(named
+  tensors, cfg)`: the text part of an HF checkpoint (the vision tower is skipped).
+- `DiffusionGemmaSettings`: the reference's generation-config fields, with its defaults.
+- `generate(model, prompt_ids, settings, key)` / `generate_with_draws(model, prompt_ids, draws, **settings)`:
+  the whole generation (prefill, every canvas, every denoising step, commits, EOS) in one jitted
+  program of nested `lax.while_loop`s; `draws` replays the reference's random numbers (tests).
+- `logits(model, prompt_ids, canvas, self_conditioning=None)`: the decoder's (B, C, V) logits.
+
+Not yet here (issue 30): the Family registry entry (ModelConfig does not describe a heterogeneous
+encoder / decoder stack), the CLI / server path, the chat template, a .safetensors folder loader,
+expert kernels other than lax.ragged_dot, TPU compile at the released shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.decoding import entropy_bound as eb
+from dinfer_jax.models.gemma4 import FULL, SLIDING, EncoderCache, Gemma4Config, Gemma4Diffusion
+
+ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
+DEFAULT_CANVAS_LENGTH = 256
+
+
+# ---- config and weights
+
+def config_from_hf(hf: Mapping[str, Any]) -> tuple[Gemma4Config, int]:
+    """A DiffusionGemma config.json (or its text_config alone) -> (Gemma4Config, canvas_length)."""
+    tc = dict(hf.get("text_config", hf))
+    canvas = int(hf.get("canvas_length", DEFAULT_CANVAS_LENGTH))
+    missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if tc.get(k) is None]
+    if missing:
+        raise ValueError(f"DiffusionGemma config: {', '.join(missing)} must be set (the router needs them)")
+    n = int(tc.get("num_hidden_layers", 30))
+    types = tc.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)]
+    types = list(types[:n])
+    types[-1] = FULL  # the reference forces the last layer global
+    per = {int(k): v for k, v in (tc.get("per_layer_config") or {}).items()} if isinstance(
+        tc.get("per_layer_config"), dict) else {}
+    head_dim = int(tc.get("head_dim", 256))
+    kv = int(tc.get("num_key_value_heads", 4))
+    full = [i for i, t in enumerate(types) if t == FULL]
+    full_over = per.get(full[0], {}) if full else {}
+    full_hd = int(full_over.get("head_dim", tc.get("global_head_dim", 512)))
+    full_kv = int(full_over.get("num_key_value_heads", tc.get("num_global_key_value_heads") or kv))
+    for i in full:
+        o = per.get(i, {})
+        if int(o.get("head_dim", full_hd)) != full_hd or int(o.get("num_key_value_heads", full_kv)) != full_kv:
+            raise ValueError(f"DiffusionGemma config: full layer {i} has shapes unlike layer {full[0]}'s")
+    window = int(tc.get("sliding_window", 512))
+    if tc.get("use_bidirectional_attention") == "all":  # serialised as (W - 1) * 2
+        window = window // 2 + 1
+    rope = tc.get("rope_parameters") or {}
+    sl, fu = rope.get(SLIDING, {}), rope.get(FULL, {})
+    if fu.get("rope_type", "proportional") != "proportional" or sl.get("rope_type", "default") != "default":
+        raise ValueError(f"DiffusionGemma config: unsupported rope_parameters {rope}")
+    cfg = Gemma4Config(
+        vocab_size=int(tc.get("vocab_size", 262144)), hidden_size=int(tc.get("hidden_size", 2304)),
+        intermediate_size=int(tc.get("intermediate_size", 9216)), num_heads=int(tc.get("num_attention_heads", 8)),
+        layer_types=tuple(types), sliding_kv_heads=kv, sliding_head_dim=head_dim, full_kv_heads=full_kv,
+        full_head_dim=full_hd, num_experts=int(tc["num_experts"]), top_k_experts=int(tc["top_k_experts"]),
+        moe_intermediate_size=int(tc["moe_intermediate_size"]), sliding_window=window,
+        sliding_rope_theta=float(sl.get("rope_theta", 1e4)), full_rope_theta=float(fu.get("rope_theta", 1e6)),
+        full_partial_rotary_factor=float(fu.get("partial_rotary_factor", 0.25)),
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        final_logit_softcapping=tc.get("final_logit_softcapping", 30.0))
+    return cfg, canvas
+
+
+_NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm",
+          "pre_feedforward_layernorm": "pre_ffn_norm", "post_feedforward_layernorm": "post_ffn_norm",
+          "pre_feedforward_layernorm_2": "pre_ffn_norm_2", "post_feedforward_layernorm_1": "post_ffn_norm_1",
+          "post_feedforward_layernorm_2": "post_ffn_norm_2"}
+
+
+def params_from_hf(get, cfg: Gemma4Config, dtype=jnp.float32) -> dict:
+    """Our param tree (models/gemma4.py) from the checkpoint's text weights. `get(name)` returns the
+    numpy array saved under an HF name (model.decoder.* holds the shared weights; the encoder pass's
+    layer scalars are model.encoder.language_model.layers.L.layer_scalar)."""
+    D, N = cfg.hidden_size, cfg.num_heads
+
+    def a(name):
+        return np.asarray(get(name), np.float32)
+
+    def lin(name):  # HF Linear [out, in] -> (in, out)
+        return a(name).T
+
+    out: dict = {"embed": {"embedding": a("model.decoder.embed_tokens.weight")},
+                 "final_norm": a("model.decoder.norm.weight")}
+    sc = "model.decoder.self_conditioning."
+    out["self_conditioning"] = {"pre_norm": a(sc + "pre_norm.weight"),
+                                "mlp": {"gate_proj": lin(sc + "gate_proj.weight"), "up_proj": lin(sc + "up_proj.weight"),
+                                        "down_proj": lin(sc + "down_proj.weight")}}
+    F = cfg.moe_intermediate_size
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.decoder.layers.{i}."
+        K, H = cfg.kv_shape(kind)
+        attn = {"q_proj": lin(p + "self_attn.q_proj.weight").reshape(D, N, H),
+                "k_proj": lin(p + "self_attn.k_proj.weight").reshape(D, K, H),
+                "o_proj": lin(p + "self_attn.o_proj.weight").reshape(N, H, D),
+                "q_norm": a(p + "self_attn.q_norm.weight"), "k_norm": a(p + "self_attn.k_norm.weight")}
+        if kind == SLIDING:
+            attn["v_proj"] = lin(p + "self_attn.v_proj.weight").reshape(D, K, H)
+        gate_up = a(p + "experts.gate_up_proj")  # [E, 2F, D], gate rows first
+        layer = {"attn": attn, **{ours: a(p + hf + ".weight") for hf, ours in _NORMS.items()},
+                 "mlp": {"gate_proj": lin(p + "mlp.gate_proj.weight"), "up_proj": lin(p + "mlp.up_proj.weight"),
+                         "down_proj": lin(p + "mlp.down_proj.weight")},
+                 "router": {"proj": lin(p + "router.proj.weight"), "scale": a(p + "router.scale"),
+                            "per_expert_scale": a(p + "router.per_expert_scale")},
+                 "experts": {"gate_proj": gate_up[:, :F].transpose(0, 2, 1), "up_proj": gate_up[:, F:].transpose(0, 2, 1),
+                             "down_proj": a(p + "experts.down_proj").transpose(0, 2, 1)},
+                 "decoder_scalar": a(p + "layer_scalar").reshape(1),
+                 "encoder_scalar": a(f"model.encoder.language_model.layers.{i}.layer_scalar").reshape(1)}
+        out[f"layer_{i}"] = layer
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), out)
+
+
+# ---- the model and its entry points
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionGemma:
+    """A loaded model: config, canvas length, params (models/gemma4.py's tree)."""
+    cfg: Gemma4Config
+    params: Any
+    canvas_length: int = DEFAULT_CANVAS_LENGTH
+
+    @property
+    def module(self) -> Gemma4Diffusion:
+        return Gemma4Diffusion(self.cfg, jax.tree_util.tree_leaves(self.params)[0].dtype)
+
+
+def _check_ids(cfg: Gemma4Config, ids, what: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{what}: expected a non-empty (L,) or (B, L) integer array, got shape {arr.shape}")
+    if arr.min() < 0 or arr.max() >= cfg.vocab_size:
+        raise ValueError(f"{what}: token ids must be in [0, {cfg.vocab_size})")
+    return arr.astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _logits(module, params, prompt_BL, canvas_BC, sc_BCV, sc_on):
+    B, L = prompt_BL.shape
+    cache = EncoderCache.empty(module.cfg, B, L, module.dtype)
+    cache = module.apply({"params": params}, prompt_BL, cache, method=Gemma4Diffusion.encode)
+    return module.apply({"params": params}, canvas_BC, cache, sc_BCV, jnp.broadcast_to(sc_on, (B,)),
+                        method=Gemma4Diffusion.decode)
+
+
+def logits(model: DiffusionGemma, prompt_ids, canvas, self_conditioning=None) -> np.ndarray:
+    """The decoder's fp32 (B, C, V) logits for `canvas` after the encoder encoded `prompt_ids`;
+    `self_conditioning`: the previous step's (B, C, V) (processed) logits, or None (first step)."""
+    prompt = _check_ids(model.cfg, prompt_ids, "prompt_ids")
+    canvas = _check_ids(model.cfg, canvas, "canvas")
+    if canvas.shape[0] != prompt.shape[0]:
+        raise ValueError(f"canvas has {canvas.shape[0]} rows for {prompt.shape[0]} prompts")
+    sc = self_conditioning
+    if sc is not None and np.shape(sc) != canvas.shape + (model.cfg.vocab_size,):
+        raise ValueError(f"self_conditioning: expected shape {canvas.shape + (model.cfg.vocab_size,)}, got {np.shape(sc)}")
+    sc_arr = jnp.zeros(canvas.shape + (model.cfg.vocab_size,)) if sc is None else jnp.asarray(sc, jnp.float32)
+    return np.asarray(_logits(model.module, model.params, jnp.asarray(prompt), jnp.asarray(canvas), sc_arr,
+                              jnp.bool_(sc is not None)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionGemmaSettings:
+    """The reference's generation-config fields and defaults (docs/diffusion_gemma.md §5)."""
+    max_new_tokens: int = 256
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        eos = self.eos_token_id
+        object.__setattr__(self, "eos_token_id", tuple(int(e) for e in ((eos,) if isinstance(eos, int) else (eos or ()))))
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0):
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be a positive integer")
+        if not (isinstance(self.max_denoising_steps, int) and self.max_denoising_steps > 0):
+            raise ValueError(f"max_denoising_steps={self.max_denoising_steps!r}: must be a positive integer")
+        if not self.t_max > self.t_min >= 0:
+            raise ValueError(f"t_min={self.t_min}, t_max={self.t_max}: need t_max > t_min >= 0")
+        if not self.entropy_bound > 0:
+            raise ValueError(f"entropy_bound={self.entropy_bound}: must be > 0")
+        if not self.confidence_threshold > 0:
+            raise ValueError(f"confidence_threshold={self.confidence_threshold}: must be > 0")
+        if not (isinstance(self.stability_threshold, int) and self.stability_threshold >= 0):
+            raise ValueError(f"stability_threshold={self.stability_threshold!r}: must be an integer >= 0")
+
+
+@flax.struct.dataclass
+class _Knobs:
+    """The settings that are traced values (one program serves them all)."""
+    max_denoising_steps: jax.Array
+    entropy_bound: jax.Array
+    t_min: jax.Array
+    t_span: jax.Array  # t_max - t_min, subtracted in double as the reference does, then fp32
+    confidence_threshold: jax.Array
+    eos_ids: jax.Array  # (8k,) the EOS ids, -1 padded
+    pad_id: jax.Array  # () int32
+    has_pad: jax.Array  # () whether pad_token_id is set (EOS then pads the canvas after it)
+    replay: jax.Array  # () draws fed in (generate_with_draws) instead of drawn
+
+    @classmethod
+    def of(cls, s: DiffusionGemmaSettings, replay: bool) -> "_Knobs":
+        n = -(-max(1, len(s.eos_token_id)) // 8) * 8
+        eos = np.full((n,), -1, np.int32)
+        eos[:len(s.eos_token_id)] = s.eos_token_id
+        return cls(jnp.int32(s.max_denoising_steps), *(jnp.float32(v) for v in (
+            s.entropy_bound, s.t_min, s.t_max - s.t_min, s.confidence_threshold)), jnp.asarray(eos),
+            jnp.int32(s.pad_token_id or 0), jnp.bool_(s.pad_token_id is not None), jnp.bool_(replay))
+
+
+@flax.struct.dataclass
+class _Draws:
+    """Random numbers fed in (replay) or drawn: init (n_canvases, B, C), sample / renoise (n_steps, B, C)."""
+    init: jax.Array
+    sample: jax.Array
+    renoise: jax.Array
+
+
+@flax.struct.dataclass
+class _CanvasState:
+    """One canvas's denoising loop state (B rows, C positions, H = stability_threshold)."""
+    step: jax.Array  # () remaining steps: N .. 1, then 0
+    canvas: jax.Array  # (B, C) current (noisy) canvas
+    argmax: jax.Array  # (B, C)
+    sc: jax.Array  # (B, C, V) previous processed logits (emb dtype)
+    sc_on: jax.Array  # () whether sc is set (False on the first step)
+    done: jax.Array  # (B,) stopped rows (frozen)
+    history: jax.Array  # (H, B, C) previous argmax canvases
+    draw: jax.Array  # () index of the next sample / renoise draw
+    key: jax.Array
+
+
+@flax.struct.dataclass
+class _GenState:
+    cache: EncoderCache
+    out: jax.Array  # (B, n_canvases * C) committed canvases
+    canvases: jax.Array  # () canvases committed
+    finished: jax.Array  # (B,) rows that met EOS
+    draw: jax.Array
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _generate(module: Gemma4Diffusion, canvas_length: int, n_canvases: int, stability_threshold: int,
+              params, prompt_BL, prompt_valid_BL, draws: _Draws, key, knobs: _Knobs):
+    """-> (out (B, n_canvases * C), canvases produced, draws consumed). Shapes and the stability
+    history are static; every other setting is a traced _Knobs value (one program serves them)."""
+    cfg, C = module.cfg, canvas_length
+    B, L = prompt_BL.shape
+    N = knobs.max_denoising_steps
+    apply = functools.partial(module.apply, {"params": params})
+    cache = EncoderCache.empty(cfg, B, L + n_canvases * C, module.dtype)
+    cache = apply(prompt_BL, cache, prompt_valid_BL, method=Gemma4Diffusion.encode)
+    V = cfg.vocab_size
+
+    def uniform(k, i, table):
+        return jnp.where(knobs.replay, table[jnp.minimum(i, len(table) - 1)], jax.random.randint(k, (B, C), 0, V, jnp.int32))
+
+    def denoise_step(cs: _CanvasState, cache):
+        k1, k2, key = jax.random.split(cs.key, 3)
+        raw = apply(cs.canvas, cache, cs.sc, jnp.broadcast_to(cs.sc_on, (B,)), method=Gemma4Diffusion.decode)
+        processed = raw / eb.temperature(cs.step, N, knobs.t_min, knobs.t_span)
+        sample = jnp.where(knobs.replay, draws.sample[jnp.minimum(cs.draw, len(draws.sample) - 1)],
+                           jax.random.categorical(k1, processed, axis=-1).astype(jnp.int32))
+        argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+        h = eb.entropy(processed)
+        keep = eb.accept_mask(h, knobs.entropy_bound)
+        nxt = jnp.where(keep, sample, uniform(k2, cs.draw, draws.renoise))
+        frozen = cs.done
+        argmax = jnp.where(frozen[:, None], cs.argmax, argmax)
+        nxt = jnp.where(frozen[:, None], cs.canvas, nxt)
+        processed = jnp.where(frozen[:, None, None] & cs.sc_on, cs.sc.astype(processed.dtype), processed)
+        stop, history = eb.stable_and_confident(cs.history, argmax, eb.entropy(processed),
+                                                knobs.confidence_threshold)
+        return _CanvasState(step=cs.step - 1, canvas=nxt, argmax=argmax, sc=processed.astype(cs.sc.dtype),
+                            sc_on=jnp.bool_(True), done=cs.done | stop, history=history, draw=cs.draw + 1, key=key)
+
+    def canvas_body(g: _GenState):
+        ci = g.canvases
+        kc, key = jax.random.split(g.key)
+        committed = jax.lax.dynamic_slice_in_dim(g.out, jnp.maximum(ci - 1, 0) * C, C, axis=1)
+        cache = jax.lax.cond(ci > 0, lambda c: apply(committed, c, method=Gemma4Diffusion.encode), lambda c: c,
+                             g.cache)
+        init = uniform(kc, ci, draws.init)
+        cs = _CanvasState(step=N, canvas=init, argmax=init,
+                          sc=jnp.zeros((B, C, V), module.dtype), sc_on=jnp.bool_(False),
+                          done=jnp.zeros((B,), bool), history=jnp.full((stability_threshold, B, C), -1, jnp.int32),
+                          draw=g.draw, key=key)
+        cs = jax.lax.while_loop(lambda cs: (cs.step > 0) & ~jnp.all(cs.done),
+                                lambda cs: denoise_step(cs, cache), cs)
+        padded, has_eos = eb.pad_after_eos(cs.argmax, knobs.eos_ids, knobs.pad_id, g.finished)
+        finished = g.finished | has_eos
+        new = jnp.where(knobs.has_pad & jnp.any(finished), padded, cs.argmax)
+        out = jax.lax.dynamic_update_slice_in_dim(g.out, new, ci * C, axis=1)
+        return _GenState(cache=cache, out=out, canvases=ci + 1, finished=finished, draw=cs.draw, key=cs.key)
+
+    g = _GenState(cache=cache, out=jnp.full((B, n_canvases * C), knobs.pad_id, jnp.int32),
+                  canvases=jnp.int32(0), finished=jnp.zeros((B,), bool), draw=jnp.int32(0), key=key)
+    g = jax.lax.while_loop(lambda g: (g.canvases < n_canvases) & ~jnp.all(g.finished), canvas_body, g)
+    return g.out, g.canvases, g.draw
+
+
+def _bucket(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _run(model: DiffusionGemma, prompt_ids, settings: DiffusionGemmaSettings, draws: Optional[_Draws], key,
+         prompt_mask=None) -> np.ndarray:
+    prompt = _check_ids(model.cfg, prompt_ids, "prompt_ids")
+    valid = np.ones(prompt.shape, bool) if prompt_mask is None else np.asarray(prompt_mask, bool)
+    if valid.shape != prompt.shape:
+        raise ValueError(f"prompt_mask: shape {valid.shape} != prompt shape {prompt.shape}")
+    replay = draws is not None
+    C = model.canvas_length
+    # draws padded to bucketed lengths (dummies when not replaying): one program for many settings
+    init = np.zeros((0, *prompt.shape[:1], C), np.int32) if draws is None else np.asarray(draws.init)
+    steps = np.zeros((0, *prompt.shape[:1], C), np.int32) if draws is None else np.asarray(draws.sample)
+    renoise = steps if draws is None else np.asarray(draws.renoise)
+    draws = _Draws(*(jnp.asarray(np.concatenate([a, np.zeros((_bucket(len(a), lo) - len(a), *a.shape[1:]), np.int32)]))
+                     for a, lo in ((init, 4), (steps, 64), (renoise, 64))))
+    out, n, _ = _generate(model.module, C, -(-settings.max_new_tokens // C), settings.stability_threshold,
+                          model.params, jnp.asarray(prompt), jnp.asarray(valid), draws, key, _Knobs.of(settings, replay))
+    return np.asarray(out)[:, :int(n) * model.canvas_length]
+
+
+def generate(model: DiffusionGemma, prompt_ids, settings: DiffusionGemmaSettings = DiffusionGemmaSettings(),
+             seed: int = 0, prompt_mask=None) -> np.ndarray:
+    """Generated ids after the prompt, (B, n * C) for the n canvases produced (as the reference's
+    `sequences[:, L:]`), with our RNG (same distributions as the reference, other numbers)."""
+    return _run(model, prompt_ids, settings, None, jax.random.PRNGKey(seed), prompt_mask)
+
+
+def generate_with_draws(model: DiffusionGemma, prompt_ids, draws: Mapping[str, Any], prompt_mask=None,
+                        **settings) -> np.ndarray:
+    """`generate` with the reference's random numbers fed in: draws = {"init": (n_canvases, B, C),
+    "sample": (n_steps, B, C) the multinomial samples, "renoise": (n_steps, B, C) the uniform
+    draws}, consumed in order; settings named as the reference's generation config."""
+    missing = {"init", "sample", "renoise"} - set(draws)
+    if missing:
+        raise ValueError(f"draws: missing {sorted(missing)}")
+    d = _Draws(*(jnp.asarray(np.asarray(draws[k]), jnp.int32) for k in ("init", "sample", "renoise")))
+    B = _check_ids(model.cfg, prompt_ids, "prompt_ids").shape[0]
+    for k, a in zip(("init", "sample", "renoise"), (d.init, d.sample, d.renoise)):
+        if a.ndim != 3 or a.shape[1:] != (B, model.canvas_length):
+            raise ValueError(f"draws[{k!r}]: expected (n, {B}, {model.canvas_length}), got {a.shape}")
+    return _run(model, prompt_ids, DiffusionGemmaSettings(**settings), d, jax.random.PRNGKey(0), prompt_mask)
+
+
+def settings_from_generation_config(gen: Mapping[str, Any]) -> DiffusionGemmaSettings:
+    """A generation_config.json dict -> settings (unset fields keep the reference's defaults)."""
+    fields = {f.name for f in dataclasses.fields(DiffusionGemmaSettings)}
+    sampler = gen.get("sampler_config") or {}
+    kw = {k: gen[k] for k in fields if gen.get(k) is not None}
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        kw.setdefault("entropy_bound", sampler["entropy_bound"])
+    return DiffusionGemmaSettings(**kw)
