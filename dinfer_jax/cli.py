@@ -30,6 +30,7 @@ prints one line and exits 130.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -290,9 +291,59 @@ def _add_compile_cache_flag(p):
                         "else ~/.cache/dinfer-jax/jax-compile): a second start reads its programs from disk")
 
 
+def _generate_diffusion_gemma(a, model_dir: str):
+    """`generate` on a DiffusionGemma folder (uniform-noise diffusion, families/diffusion_gemma.py):
+    its generation_config.json settings (the reference's defaults under them), --gen-length as
+    max_new_tokens, --steps as max_denoising_steps, --seed. The other decoding flags do not apply."""
+    from dinfer_jax import compile_cache
+    from dinfer_jax.families import diffusion_gemma as dgf
+    from dinfer_jax.families import read_generation_config
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    given = [n for n in _VALUE_FLAGS + _SWITCH_FLAGS + ("block_length", "edit_mode", "prompts_file", "show_canvas",
+                                                        "suffix", "infill", "json_schema", "json_object", "regex",
+                                                        "choice", "span", "no_early_stop")
+             if n not in ("steps", "seed") and getattr(a, n, None) not in (None, False)]
+    if given:
+        raise ValueError(f"{model_dir} is a DiffusionGemma model (uniform-noise diffusion, one prompt): "
+                         f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply; it takes --gen-length "
+                         "(max_new_tokens), --steps (max_denoising_steps) and --seed")
+    compile_cache.enable(a.compile_cache)
+    settings = dgf.settings_from_generation_config(read_generation_config(model_dir))
+    upd = {k: v for k, v in (("max_new_tokens", getattr(a, "gen_length", None)),
+                             ("max_denoising_steps", a.steps)) if v is not None}
+    settings = dataclasses.replace(settings, **upd)
+    tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    ids = _prompt_ids(a, tok, model_dir)
+    model = dgf.load(model_dir)
+    t = time.perf_counter()
+    out = dgf.generate(model, [ids], settings, seed=a.seed or 0)[0]
+    seconds = time.perf_counter() - t
+    timed = None
+    if a.timed:
+        t = time.perf_counter()
+        dgf.generate(model, [ids], settings, seed=a.seed or 0)
+        timed = time.perf_counter() - t
+    kept = [int(x) for x in out]
+    eos = [i for i, x in enumerate(kept) if x in settings.eos_token_id]
+    kept = kept[:eos[0]] if eos else kept  # the answer: up to the first EOS (the rest is pad)
+    text = tok.decode(kept) if tok is not None else None
+    res = {"token_ids": kept, "text": text, "canvases": len(out) // model.canvas_length, "seconds": round(seconds, 4)}
+    if timed is not None:
+        res["timed_seconds"] = round(timed, 4)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(text if text is not None else " ".join(map(str, kept)))
+        print(f"[{len(kept)} tokens in {res['canvases']} canvas(es) of {model.canvas_length}, {seconds:.2f}s incl. "
+              f"compile{'' if timed is None else f'; timed rerun {timed:.3f}s'}]", file=sys.stderr)
+
+
 def cmd_generate(a):
     import numpy as np
     from dinfer_jax import compile_cache, generate
+    from dinfer_jax.families.diffusion_gemma import is_folder
+    if a.model is not None and is_folder(_model_dir(a)):
+        return _generate_diffusion_gemma(a, _model_dir(a))
     if getattr(a, "prompts_file", None) is not None:
         if _constraint_flags(a) is not None:
             raise ValueError("--suffix / --infill / --json-schema / --json-object / --regex / --choice work with one prompt "

@@ -197,3 +197,46 @@ def test_bad_input_is_named(ours):
         dg.DiffusionGemmaSettings(t_min=0.9, t_max=0.8)
     with pytest.raises(ValueError, match="draws"):
         dg.generate_with_draws(ours, np.arange(4)[None], {"init": np.zeros((1, 1, C))})
+
+
+@pytest.fixture(scope="module")
+def hf_folder(ref_model, tmp_path_factory):
+    """The reference model written by save_pretrained (safetensors; tied copies dropped, the vision
+    tower included) with a generation_config.json in the released checkpoint's style."""
+    import json
+    d = tmp_path_factory.mktemp("diffusion_gemma")
+    ref_model.save_pretrained(d)
+    with open(d / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [1, 50], "pad_token_id": 0, "max_new_tokens": 8, "max_denoising_steps": 3,
+                   "t_min": 0.4, "t_max": 0.8, "sampler_config": {"entropy_bound": 0.5}}, f)
+    return str(d)
+
+
+def test_folder_loads_its_text_weights(ref_model, hf_folder):
+    import jax.numpy as jnp
+    from safetensors import safe_open
+    names = set(safe_open(f"{hf_folder}/model.safetensors", "np").keys())
+    assert any(n.startswith("model.encoder.vision_tower.") for n in names)  # present, and skipped
+    assert dg.is_folder(hf_folder)
+    m = dg.load(hf_folder, dtype=jnp.float32)
+    rng = np.random.default_rng(9)
+    prompt, canvas = rng.integers(0, 96, (2, 5)), rng.integers(0, 96, (2, C))
+    ref = _ref_logits(ref_model, prompt, canvas)
+    assert np.max(np.abs(dg.logits(m, prompt, canvas) - ref)) <= REL_TOL * np.max(np.abs(ref))
+    s = dg.settings_from_generation_config({"eos_token_id": [1, 50], "pad_token_id": 0,
+                                            "sampler_config": {"entropy_bound": 0.5}})
+    assert s.eos_token_id == (1, 50) and s.entropy_bound == 0.5 and s.max_denoising_steps == 48
+
+
+def test_cli_generate_decodes_a_folder(hf_folder):
+    import json
+    import subprocess
+    import sys
+    exe = [sys.executable, "-m", "dinfer_jax.cli", "generate", "--model", hf_folder, "--prompt-ids", "3,4,5"]
+    r = subprocess.run(exe + ["--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["canvases"] in (1, 2) and len(out["token_ids"]) <= 8  # max_new_tokens 8 from the folder
+    assert not set(out["token_ids"]) & {1, 50}  # cut at the first EOS
+    r = subprocess.run(exe + ["--strategy", "threshold"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--strategy do not apply" in r.stderr and "Traceback" not in r.stderr, r.stderr

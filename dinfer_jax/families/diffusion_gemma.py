@@ -9,14 +9,20 @@ holds every fact used here with its source line in transformers 5.25).
   program of nested `lax.while_loop`s; `draws` replays the reference's random numbers (tests).
 - `logits(model, prompt_ids, canvas, self_conditioning=None)`: the decoder's (B, C, V) logits.
 
+- `load(folder)`: an HF folder (safetensors / .bin, sharded or not), text weights only;
+  `dinfer-jax generate --model DIR` decodes one with its generation_config.json (cli.py).
+
 Not yet here (issue 30): the Family registry entry (ModelConfig does not describe a heterogeneous
-encoder / decoder stack), the CLI / server path, the chat template, a .safetensors folder loader,
-expert kernels other than lax.ragged_dot, TPU compile at the released shapes.
+encoder / decoder stack), the server, the chat template, continuous batching, expert kernels other
+than lax.ragged_dot, TPU compile at the released shapes.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import logging
+import os
 from typing import Any, Mapping, Optional
 
 import flax.struct
@@ -26,6 +32,8 @@ import numpy as np
 
 from dinfer_jax.decoding import entropy_bound as eb
 from dinfer_jax.models.gemma4 import FULL, SLIDING, EncoderCache, Gemma4Config, Gemma4Diffusion
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
 DEFAULT_CANVAS_LENGTH = 256
@@ -88,8 +96,8 @@ def params_from_hf(get, cfg: Gemma4Config, dtype=jnp.float32) -> dict:
     layer scalars are model.encoder.language_model.layers.L.layer_scalar)."""
     D, N = cfg.hidden_size, cfg.num_heads
 
-    def a(name):
-        return np.asarray(get(name), np.float32)
+    def a(name):  # one tensor at a time, straight to the params dtype (peak: params + one tensor)
+        return jnp.asarray(np.asarray(get(name)), dtype)
 
     def lin(name):  # HF Linear [out, in] -> (in, out)
         return a(name).T
@@ -121,7 +129,60 @@ def params_from_hf(get, cfg: Gemma4Config, dtype=jnp.float32) -> dict:
                  "decoder_scalar": a(p + "layer_scalar").reshape(1),
                  "encoder_scalar": a(f"model.encoder.language_model.layers.{i}.layer_scalar").reshape(1)}
         out[f"layer_{i}"] = layer
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), out)
+    return out
+
+
+def is_folder(path) -> bool:
+    """Whether `path` is an HF folder of a DiffusionGemma checkpoint (config.json architectures)."""
+    cfg = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(cfg):
+        return False
+    try:
+        with open(cfg) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(hf, dict) and bool(set(hf.get("architectures") or ()) & set(ARCHITECTURES))
+
+
+def _shared_aliases(name: str) -> list[str]:
+    """Where a shared text weight may be stored: the decoder's name or the encoder's (save_pretrained
+    keeps one copy of tied tensors; which one depends on the writer)."""
+    dec, enc = "model.decoder.", "model.encoder.language_model."
+    if name.startswith(dec) and not name.endswith("layer_scalar"):
+        return [name, enc + name[len(dec):]]
+    return [name]
+
+
+def load(folder, dtype=None) -> "DiffusionGemma":
+    """A DiffusionGemma HF folder (config.json + *.safetensors / .bin) -> DiffusionGemma, its text
+    part read tensor by tensor (the vision tower is not loaded: text prompts only)."""
+    from converters.sources import open_source
+    folder = os.fspath(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    cfg, canvas = config_from_hf(hf)
+    dtype = (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16) if dtype is None else dtype
+    src = open_source(folder)
+    names = set(src.specs)
+
+    def get(name):
+        for cand in _shared_aliases(name):
+            if cand in names:
+                return src.read(cand)
+        if name.startswith("model.encoder.") and name.endswith("layer_scalar"):
+            dec = "model.decoder." + name[len("model.encoder.language_model."):]
+            if dec in names:  # one scalar per layer (a checkpoint written for a single backbone)
+                log.warning("%s: no encoder layer scalar %s; using the decoder's", folder, name)
+                return src.read(dec)
+        raise ValueError(f"{folder}: weight {name!r} is missing from the checkpoint")
+    try:
+        params = params_from_hf(get, cfg, dtype)
+    finally:
+        src.close()
+    if any(n.startswith("model.encoder.vision_tower.") for n in names):
+        log.info("%s: the vision tower is not loaded (text prompts only)", folder)
+    return DiffusionGemma(cfg, params, canvas)
 
 
 # ---- the model and its entry points
