@@ -240,3 +240,16 @@ def test_cli_generate_decodes_a_folder(hf_folder):
     assert not set(out["token_ids"]) & {1, 50}  # cut at the first EOS
     r = subprocess.run(exe + ["--strategy", "threshold"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--strategy do not apply" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_released_preset_sizes():
+    """The 26B-A4B preset's parameter counts (from shapes alone): 25.25 B total, 3.84 B active (8 of
+    128 experts), consistent with the name; 5 full layers of 30 (every 6th)."""
+    import jax
+    from dinfer_jax.models.gemma4 import init_params
+    cfg, canvas = dg.preset("diffusion-gemma-26b-a4b")
+    assert canvas == 256 and cfg.layer_types.count("full_attention") == 5 and cfg.layer_types[5] == "full_attention"
+    leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(lambda: init_params(cfg, batch=1, slots=4)))
+    total = sum(int(np.prod(x.shape)) for _, x in leaves)
+    experts = sum(int(np.prod(x.shape)) for p, x in leaves if "experts" in jax.tree_util.keystr(p))
+    assert round(total / 1e9, 2) == 25.25 and round((total - experts + experts * 8 // 128) / 1e9, 2) == 3.84

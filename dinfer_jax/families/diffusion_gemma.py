@@ -39,6 +39,27 @@ ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
 DEFAULT_CANVAS_LENGTH = 256
 
 
+# The released google/diffusiongemma-26B-A4B-it text config (third-party sources, docs/diffusion_gemma.md §1:
+# the transformers package does not state it): 25.25 B parameters, 3.84 B active per token.
+PRESETS = {
+    "diffusion-gemma-26b-a4b": {
+        "architectures": list(ARCHITECTURES), "canvas_length": 256,
+        "text_config": {"hidden_size": 2816, "intermediate_size": 2112, "moe_intermediate_size": 704,
+                        "num_experts": 128, "top_k_experts": 8, "num_hidden_layers": 30, "num_attention_heads": 16,
+                        "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512,
+                        "num_global_key_value_heads": 2, "sliding_window": 1024, "vocab_size": 262144,
+                        "max_position_embeddings": 262144, "use_bidirectional_attention": "vision",
+                        "final_logit_softcapping": 30.0}},
+}
+
+
+def preset(name: str) -> tuple[Gemma4Config, int]:
+    """(Gemma4Config, canvas_length) of a named preset (PRESETS)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown DiffusionGemma preset {name!r}; known: {', '.join(PRESETS)}")
+    return config_from_hf(PRESETS[name])
+
+
 # ---- config and weights
 
 def config_from_hf(hf: Mapping[str, Any]) -> tuple[Gemma4Config, int]:
