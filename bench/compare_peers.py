@@ -243,7 +243,7 @@ def build_checkpoint(kind: str, head_scale: float, work: str, dtype: str = "floa
     from converters import export
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax import preset
-    from dinfer_jax.config import to_hf_dict
+    from dinfer_jax.families import to_hf_dict
     cfg = preset("tiny-dense").replace(rope_theta=10000.0, max_position_embeddings=4096, **MODELS[kind])
     params = random_params(cfg, seed=0)
     params["lm_head/unembedding"] *= head_scale

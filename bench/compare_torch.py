@@ -131,7 +131,7 @@ def prepare_checkpoint(args, work: str) -> tuple[str, str]:
     from dinfer_jax import checkpoint as ckpt
     if args.random_preset:
         from dinfer_jax import preset
-        from dinfer_jax.config import to_hf_dict
+        from dinfer_jax.families import to_hf_dict
         cfg = preset(args.random_preset)
         if args.layers:
             cfg = cfg.replace(num_layers=args.layers)

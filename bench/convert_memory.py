@@ -17,7 +17,7 @@ import numpy as np
 def main(src: str, dst: str):
     import orbax.checkpoint  # noqa: F401
     from converters import convert
-    from dinfer_jax.config import load_hf_config
+    from dinfer_jax.families import load_hf_config
     from dinfer_jax.models import abstract_params
     cfg = load_hf_config(src)
     shapes = abstract_params(cfg)

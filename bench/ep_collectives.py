@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dinfer_jax import sharding as shd  # noqa: E402
-from dinfer_jax.config import preset  # noqa: E402
+from dinfer_jax.families import preset  # noqa: E402
 from dinfer_jax.models.moe import MoE  # noqa: E402
 from dinfer_jax.models.transformer import DecoderLayer  # noqa: E402
 

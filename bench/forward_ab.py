@@ -42,7 +42,7 @@ PROMPT, GEN, BLOCK = 128, 64, 32
 
 
 def model_config(name: str, layers: int):
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     if name == "medium":
         from bench.compare_peers import MODELS
         return preset("tiny-dense").replace(rope_theta=10000.0, max_position_embeddings=4096, **MODELS["medium"])

@@ -42,7 +42,7 @@ def rss_gib() -> float:
 
 
 def config(tiny: bool):
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     if not tiny:
         return preset("llada-moe-7b-a1b")
     return preset("tiny").replace(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,

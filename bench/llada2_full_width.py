@@ -48,7 +48,7 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_BF16_XLA_FLAGS).strip()
     import jax
     import jax.numpy as jnp
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     from dinfer_jax.models import abstract_params, unflatten
 

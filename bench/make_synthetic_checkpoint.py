@@ -19,7 +19,7 @@ import numpy as np
 
 from converters.mappings import table
 from converters.safetensors_io import write_file
-from dinfer_jax.config import preset, to_hf_dict
+from dinfer_jax.families import preset, to_hf_dict
 from dinfer_jax.models import abstract_params
 
 

@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 
 def medium_config(layers: int = 8, hidden: int = 1024, heads: int = 16, mlp: int = 2816, vocab: int = 32000):
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     return preset("llada-8b").replace(
         vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
         head_dim=hidden // heads, intermediate_size=mlp, max_position_embeddings=4096,

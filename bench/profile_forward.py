@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench import roofline as rl  # noqa: E402
 from bench.bench_loop import median_time  # noqa: E402
-from dinfer_jax.config import preset  # noqa: E402
+from dinfer_jax.families import preset  # noqa: E402
 from dinfer_jax.models import Transformer  # noqa: E402
 
 HOST_EVENTS = ("ThunkExecutor", "block_until_ready", "PjitFunction", "stop_trace", "SlinkyThreadPool", "$")

@@ -82,7 +82,7 @@ def main():
     from make_synthetic_checkpoint import write_synthetic
 
     from converters import convert
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     cfg = preset(a.preset)
     if not a.full:
         cfg = cfg.replace(num_layers=a.layers)

@@ -55,7 +55,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.bench_loop import median_time  # noqa: E402
-from dinfer_jax.config import ModelConfig, preset  # noqa: E402
+from dinfer_jax.config import ModelConfig  # noqa: E402
+from dinfer_jax.families import preset  # noqa: E402
 from dinfer_jax.engine import PROMPT_BUCKET  # noqa: E402
 
 KINDS = ("full", "dual", "prefix", "vicinity")

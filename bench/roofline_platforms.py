@@ -7,7 +7,7 @@ format, the FLOPs and fewest bytes of the decode forwards the loop runs (bench/r
     loop tokens/s  = batch x block / (one block's forwards)        (the loop's cycle, see below)
 
 No hardware is measured and no model is compiled: everything is arithmetic over the preset configs
-(dinfer_jax.config.preset) and the spec sheets tabled in PLATFORMS (each number with its source).
+(dinfer_jax.families.preset) and the spec sheets tabled in PLATFORMS (each number with its source).
 
   python bench/roofline_platforms.py                      # writes bench/roofline_platforms.md / .json
   python bench/roofline_platforms.py --platforms h200 v6e --models llada2-mini --batches 1 64 --out-md /tmp/r.md
@@ -58,7 +58,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.roofline import canvas_layout, forward_cost, window_shapes  # noqa: E402
-from dinfer_jax.config import preset  # noqa: E402
+from dinfer_jax.families import preset  # noqa: E402
 
 REF = "/work/shared/reference"
 

@@ -23,7 +23,7 @@ import numpy as np
 
 
 def run(prompt: int = 512, gen: int = 64, batch: int = 1, layers: int = 4, dim: int = 1024, repeats: int = 5) -> dict:
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams, generate
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params

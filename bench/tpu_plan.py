@@ -44,7 +44,7 @@ def table(rows: list[dict]) -> str:
 
 def run(name: str) -> dict:
     from dinfer_jax import plan
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     p, topo, mesh, batch = CASES[name]
     cfg = preset(p)

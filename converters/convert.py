@@ -17,7 +17,7 @@ from converters.mappings import fused_groups, table
 from converters.safetensors_io import parse_size, plan_shards, shard_file_names, write_file
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
-from dinfer_jax.config import to_hf_dict
+from dinfer_jax.families import to_hf_dict
 from dinfer_jax.models.quant import SCALE_SUFFIX, check_kind, is_out_first, metadata, quant_dims
 from dinfer_jax.models.quant import quantize as quantize_weight
 

@@ -14,7 +14,8 @@ from converters.errors import ConversionError
 from converters.fused_experts import FusedExpertsView, has_fused_experts
 from converters.mappings import IGNORED, Entry, table
 from converters.sources import TensorSource, open_source
-from dinfer_jax.config import ModelConfig, load_hf_config
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.families import load_hf_config
 from dinfer_jax.models import abstract_params
 
 

@@ -1,5 +1,6 @@
 """dinfer-jax: a JAX/XLA inference framework for masked-diffusion language models."""
-from dinfer_jax.config import ConfigError, ModelConfig, preset
+from dinfer_jax.config import ConfigError, ModelConfig
+from dinfer_jax.families import preset
 from dinfer_jax.engine import GenerationResult, SamplingParams, generate
 from dinfer_jax.model import Model, load_model
 

@@ -217,7 +217,7 @@ def main(argv=None):
     if a.fake_devices:  # read when the CPU backend starts, i.e. before the first device query below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={a.fake_devices}"
     from dinfer_jax import sharding as shd
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     mesh = shd.make_mesh(a.mesh) if a.mesh else None
     rows = []

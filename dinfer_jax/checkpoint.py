@@ -28,7 +28,8 @@ import shutil
 import jax
 import numpy as np
 
-from dinfer_jax.config import ConfigError, ModelConfig, load_hf_config, read_json
+from dinfer_jax.config import ConfigError, ModelConfig, read_json
+from dinfer_jax.families import load_hf_config
 
 FORMAT, VERSION = "dinfer-jax", 2
 # v2 path -> its v1 path; the v1 arrays are the transposes (last two dims) of the v2 ones.

@@ -86,7 +86,7 @@ def cmd_export(a):
 
 def cmd_info(a):
     from dinfer_jax import checkpoint as ckpt
-    from dinfer_jax.config import load_hf_config
+    from dinfer_jax.families import load_hf_config
     folder = ckpt.check_model_folder(a.model)
     cfg = load_hf_config(folder)
     kind = "dinfer-jax checkpoint" if ckpt.is_checkpoint(folder) else "Hugging Face folder"
@@ -113,7 +113,7 @@ def cmd_plan(a):
     jax.config.update("jax_platforms", "cpu")  # compile-only TPU devices come from libtpu, not a backend
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax import plan
-    from dinfer_jax.config import load_hf_config, preset
+    from dinfer_jax.families import load_hf_config, preset
     from dinfer_jax.engine import SamplingParams
     cfg = load_hf_config(ckpt.check_model_folder(a.model)) if a.model is not None else preset(a.preset)
     over = {k: v for k, v in (("gen_length", a.gen_length), ("block_length", a.block_length), ("cache", a.cache))
@@ -249,7 +249,7 @@ def _model_defaults(model_dir: str, **overrides):
     """SamplingParams.for_model on the folder's config: the family's defaults, then the folder's
     generation_config.json, then `overrides` (a setting that contradicts the family warns)."""
     from dinfer_jax import SamplingParams
-    from dinfer_jax.config import load_hf_config
+    from dinfer_jax.families import load_hf_config
     return SamplingParams.for_model(load_hf_config(model_dir), model_dir, **overrides)
 
 
@@ -648,7 +648,7 @@ def cmd_eval(a):
     many = a.suite == "demo"
     # Without --strategy / --cache, jsonl and humaneval decode with the model's defaults (None);
     # 'all' caches are those the model can decode with (its config decides: block only if block-causal).
-    from dinfer_jax.config import load_hf_config
+    from dinfer_jax.families import load_hf_config
     strategies = ev.parse_strategies(a.strategy or "all") if a.strategy or many else [None]
     caches = ev.parse_caches(a.cache or "all", load_hf_config(model_dir)) if a.cache or many else [None]
     from dinfer_jax.checkpoint import generation_defaults
@@ -772,7 +772,7 @@ def _demo_round_trip(work: str, note: str = ""):
     import numpy as np
     from converters import convert, export
     from dinfer_jax import checkpoint as ckpt
-    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.families import preset, to_hf_dict
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
 
@@ -1185,7 +1185,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "memory and fit, Mosaic calls, collectives, a predicted floor")
     src = pl.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model folder, or 'demo' / 'demo-block' (only its config.json is read)")
-    src.add_argument("--preset", help="a config preset (dinfer_jax.config.presets), e.g. llada-moe-7b-a1b")
+    src.add_argument("--preset", help="a config preset (dinfer_jax.families.presets), e.g. llada-moe-7b-a1b")
     pl.add_argument("--topology", required=True, help="e.g. v5e:1x1, v5e:2x2, v6e:2x4, v5p:2x2x1, v7x:2x2x1")
     pl.add_argument("--mesh", default=None, help="data=,expert=,model= sizes (default: try every mesh that "
                                                  "divides the model, pick the best that fits)")

@@ -1,9 +1,10 @@
-"""ModelConfig: one frozen description of a dLLM, read from a Hugging Face `config.json`.
+"""ModelConfig: one frozen description of a dLLM, and the family-free helpers that read config.json.
 
 Every family is described by the same fields; the layers read only these fields, never the
 family name. What is specific to a family (its HF architecture names, how its config.json reads,
 its weight names, default special ids, chat template, presets, decoding defaults) lives in one
-module under `dinfer_jax/families/`; this file holds no family names.
+module under `dinfer_jax/families/`, which also holds `from_hf_dict` / `load_hf_config` /
+`preset`; this file imports nothing of ours.
 """
 from __future__ import annotations
 
@@ -220,22 +221,6 @@ def partial_rotary_factor(cfg: Mapping[str, Any]) -> float:
     return float(v or 1.0)
 
 
-def family_of(hf: Mapping[str, Any]):
-    """The `families.Family` whose architecture names config.json's architectures[0]."""
-    from dinfer_jax import families
-    if not isinstance(hf, Mapping):
-        raise ConfigError(f"config.json must hold a JSON object, found {type(hf).__name__}")
-    archs = hf.get("architectures") or []
-    if not archs:
-        raise ConfigError("config.json has no 'architectures' entry; supported: "
-                          + ", ".join(sorted(families.architectures())))
-    fam = families.by_architecture(archs[0])
-    if fam is None:
-        raise ConfigError(f"unknown architecture {archs[0]!r} in config.json; supported: "
-                          + ", ".join(sorted(families.architectures())))
-    return fam
-
-
 def resolve_special_ids(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None, defaults: Mapping[str, Any],
                         vocab_size: int, where: str) -> dict:
     """Special ids: config.json first, then `file_ids` (generation_config.json / tokenizer files),
@@ -260,21 +245,6 @@ def resolve_special_ids(hf: Mapping[str, Any], file_ids: Mapping[str, int] | Non
     return ids
 
 
-def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = None) -> ModelConfig:
-    """ModelConfig from the contents of a Hugging Face config.json (any registered family).
-
-    Special ids: see `resolve_special_ids` (`file_ids` come from `special_ids_from_files`)."""
-    fam = family_of(hf)
-    where = f"{hf['architectures'][0]} config"
-    try:
-        return fam.read_config(hf, lambda vocab: resolve_special_ids(hf, file_ids, fam.default_ids, vocab, where),
-                               where)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{where}: {_bad_field(hf, e)}") from None
-
-
 def _bad_field(hf: Mapping[str, Any], e: Exception) -> str:
     """A reader's int() / float() failure -> which config.json field holds the bad value."""
     bad = [k for k, v in hf.items() if isinstance(v, (str, list, dict, bool)) and (
@@ -282,12 +252,6 @@ def _bad_field(hf: Mapping[str, Any], e: Exception) -> str:
     if bad:
         return f"{bad[0]}={hf[bad[0]]!r} is not a valid value ({type(e).__name__}: {e})"
     return f"a field has a value of the wrong type ({type(e).__name__}: {e})"
-
-
-def to_hf_dict(cfg: ModelConfig) -> dict:
-    """A config.json for `cfg` in its family's Hugging Face format (used by export and tests)."""
-    from dinfer_jax import families
-    return families.get(cfg.family).write_config(cfg)
 
 
 MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]", "<MASK>")
@@ -353,33 +317,3 @@ def read_json(path: str, damaged: str = ""):
         raise ConfigError(f"{path}: not valid JSON ({e}){damaged}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
-
-
-def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        if os.path.isdir(os.path.join(folder, "params")):
-            raise ConfigError(f"{folder}: incomplete dinfer-jax checkpoint (conversion did not finish): params/ but "
-                              "no config.json; delete the folder and convert again")
-        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    hf = read_json(path)
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, got a {type(hf).__name__}")
-    return from_hf_dict(hf, special_ids_from_files(folder))
-
-
-# ---------------------------------------------------------------------------------------------
-# Presets: each family module declares its own
-
-
-def presets() -> dict[str, ModelConfig]:
-    """Every family's presets by name."""
-    from dinfer_jax import families
-    return {name: cfg for fam in families.all_families() for name, cfg in fam.presets.items()}
-
-
-def preset(name: str) -> ModelConfig:
-    table = presets()
-    if name not in table:
-        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(table)}")
-    return table[name]

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax import tasks as T
-from dinfer_jax.config import ModelConfig, to_hf_dict
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.families import to_hf_dict
 from dinfer_jax.tokenizer import EOS_TOKEN, MASK_TOKEN, Tokenizer, char_tokenizer
 
 # Decoding defaults stored with the demo model (the region it was trained to answer in).

@@ -18,7 +18,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # No model hub in tests: a Hub id resolves from the (test-built) cache only, never the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from dinfer_jax.config import preset  # noqa: E402
+from dinfer_jax.families import preset  # noqa: E402
 
 # LLaDA-MoE test model: GQA 4/2, 8 experts top-2 (uneven loads at these sizes).
 MOE_CFG = preset("tiny")

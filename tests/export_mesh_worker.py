@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 
 from dinfer_jax import sharding as shd  # noqa: E402
 from dinfer_jax.aot import abstract_model, export_generate  # noqa: E402
-from dinfer_jax.config import preset, presets  # noqa: E402
+from dinfer_jax.families import preset, presets  # noqa: E402
 from dinfer_jax.engine import SamplingParams  # noqa: E402
 from dinfer_jax.model import Model  # noqa: E402
 from dinfer_jax.models import init_params  # noqa: E402

@@ -19,7 +19,8 @@ import os
 import numpy as np
 import torch
 
-from dinfer_jax.config import ModelConfig, to_hf_dict
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.families import to_hf_dict
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float = 0.1):

@@ -81,7 +81,7 @@ for spec in job.get("meshes", []):
     result["meshes"][spec] = r
 if job.get("save"):
     from dinfer_jax import checkpoint as ckpt
-    from dinfer_jax.config import to_hf_dict
+    from dinfer_jax.families import to_hf_dict
     m = load_model(job["model"], mesh=shd.make_mesh(job["save_mesh"]))
     ckpt.save_params(job["save"], m.params, to_hf_dict(m.config))
     restored = load_model(job["save"], mesh=shd.make_mesh(job["restore_mesh"]))

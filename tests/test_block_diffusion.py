@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from block_decoding_reference import reference_block_generate, reference_indel_generate
 
-from dinfer_jax.config import preset
+from dinfer_jax.families import preset
 from dinfer_jax.decoding.block_loop import block_decide, indel_rebuild, indel_step
 from dinfer_jax.engine import SamplingParams, generate
 from dinfer_jax.model import Model

@@ -14,7 +14,7 @@ PARAMS = SamplingParams(gen_length=16, block_length=8, threshold=0.3)
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
     cfg = preset("tiny")

@@ -23,7 +23,7 @@ def run(args, env=None, timeout=600):
 def ckpt(tmp_path_factory):
     """A torch-free tiny random LLaDA-MoE dinfer-jax checkpoint."""
     from dinfer_jax import checkpoint
-    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.families import preset, to_hf_dict
     from dinfer_jax.models import init_params
     cfg = preset("tiny")
     folder = str(tmp_path_factory.mktemp("cli") / "tiny")

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from dinfer_jax.config import ConfigError, from_hf_dict, load_hf_config, preset, to_hf_dict
+from dinfer_jax.config import ConfigError
+from dinfer_jax.families import from_hf_dict, load_hf_config, preset, to_hf_dict
 
 pytestmark = pytest.mark.smoke
 
@@ -99,7 +100,7 @@ def test_special_ids_come_from_the_folder_files(tmp_path):
     config.json still wins where it has them; the family defaults fill the rest."""
     import json
 
-    from dinfer_jax.config import load_hf_config, preset, to_hf_dict
+    from dinfer_jax.families import load_hf_config, preset, to_hf_dict
     hf = to_hf_dict(preset("tiny"))
     for k in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
         hf.pop(k, None)

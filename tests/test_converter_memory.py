@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from bench.make_synthetic_checkpoint import pattern_value, write_synthetic
-from dinfer_jax.config import preset
+from dinfer_jax.families import preset
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ CHILD = textwrap.dedent("""
 
     from converters import convert, export
     from dinfer_jax.models import abstract_params
-    from dinfer_jax.config import load_hf_config
+    from dinfer_jax.families import load_hf_config
     abstract_params(load_hf_config(sys.argv[2]))
     base = peak_rss()
     if sys.argv[1] == "convert":

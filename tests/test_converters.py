@@ -42,7 +42,7 @@ def test_fused_and_unfused_layouts_identical(tmp_path, moe_ref, moe_params):
     fused = fuse_experts(sd, cfg.num_layers, cfg.num_experts)
     assert "model.layers.0.mlp.w1" in fused and fused["model.layers.0.mlp.w1"].shape == (
         cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
-    from dinfer_jax.config import to_hf_dict
+    from dinfer_jax.families import to_hf_dict
     write_hf_folder(str(tmp_path), cfg, fused, shards=2,
                     hf_config={**to_hf_dict(cfg), "architectures": ["FusedLLaDAMoEModelLM"]})
     _same_params(load_hf_params(str(tmp_path))[1], moe_params)

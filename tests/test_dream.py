@@ -16,7 +16,7 @@ import pytest
 
 
 from dinfer_jax import families  # noqa: E402
-from dinfer_jax.config import from_hf_dict, preset, to_hf_dict  # noqa: E402
+from dinfer_jax.families import from_hf_dict, preset, to_hf_dict  # noqa: E402
 from dinfer_jax.decoding import strategies as st  # noqa: E402
 from dinfer_jax.engine import InvalidParam, SamplingParams, generate  # noqa: E402
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.checkpoint import DEMO_MODEL_DIR
-from dinfer_jax.config import preset
+from dinfer_jax.families import preset
 from dinfer_jax.engine import SamplingParams
 from dinfer_jax.model import Model
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 from dinfer_jax.aot import abstract_model, export_generate
-from dinfer_jax.config import preset, presets
+from dinfer_jax.families import preset, presets
 from dinfer_jax.engine import SamplingParams
 
 pytestmark = pytest.mark.smoke  # no torch; lowers on the newest jax too

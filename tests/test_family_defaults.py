@@ -17,7 +17,8 @@ import pytest
 from block_decoding_reference import reference_block_generate
 
 from dinfer_jax import checkpoint, engine, load_model
-from dinfer_jax.config import ConfigError, preset, to_hf_dict
+from dinfer_jax.config import ConfigError
+from dinfer_jax.families import preset, to_hf_dict
 from dinfer_jax.engine import FamilyWarning, SamplingParams, generate
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2], [60, 61, 62]]

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.config import ConfigError, from_hf_dict, load_hf_config, preset, to_hf_dict
+from dinfer_jax.config import ConfigError
+from dinfer_jax.families import from_hf_dict, load_hf_config, preset, to_hf_dict
 from dinfer_jax.engine import InvalidParam, SamplingParams, generate
 
 REL_TOL = 1e-4

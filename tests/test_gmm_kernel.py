@@ -207,7 +207,7 @@ def test_moe_impl_table_and_auto(monkeypatch):
 @pytest.mark.smoke
 def test_model_with_pallas_moe_equals_dense():
     """The whole tiny LLaDA-MoE forward (2 layers, 8 experts top-2) with moe_impl='pallas'."""
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
     cfg = preset("tiny")
@@ -360,7 +360,7 @@ def test_moe_picks_pallas_for_quantized_experts_on_tpu(kind, monkeypatch):
     """On a TPU target (faked: jax.default_backend), "auto" sends quantized experts to the Pallas
     kernel (no more rerouting to "tiled"): the exported TPU program holds the dlm_gmm kernel."""
     from jax import export
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.models import moe
     cfg = preset("tiny")
     monkeypatch.setattr(moe.jax, "default_backend", lambda: "tpu")

@@ -19,7 +19,8 @@ from hf_reference import (block_causal_logits, bidirectional_logits, causal_logi
                           llada2_state_dict, write_hf_folder)
 
 from converters import ConversionError, convert  # noqa: E402
-from dinfer_jax.config import ConfigError, from_hf_dict, load_hf_config, preset  # noqa: E402
+from dinfer_jax.config import ConfigError  # noqa: E402
+from dinfer_jax.families import from_hf_dict, load_hf_config, preset  # noqa: E402
 from dinfer_jax.models.moe import route_sigmoid_group  # noqa: E402
 
 REL_TOL = 1e-4

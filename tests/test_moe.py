@@ -89,7 +89,7 @@ def test_router_fp32_softmax_no_renorm(rng):
 
 def test_moe_module_paths_agree_in_model(rng):
     """The whole tiny LLaDA-MoE forward with each expert impl vs 'dense'."""
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
     cfg = preset("tiny")
@@ -107,7 +107,7 @@ def test_layers_read_stacked_experts_in_place(rng, monkeypatch):
     a layer's experts out of the stack: compiled temp memory stays below one layer's expert bytes
     (nn.scan's slicing needed more than that for the copy)."""
     from dinfer_jax.models import stacked
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.models import Transformer, init_params
     cfg = preset("tiny").replace(num_layers=3, hidden_size=64, intermediate_size=128, num_experts=8)
     params = init_params(cfg, seed=5)

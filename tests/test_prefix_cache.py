@@ -53,7 +53,7 @@ def test_lru_budget_and_ancestors_outlive_descendants():
 def tiny_llada2():
     from demo_helpers import peaky_random_params
 
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     cfg = preset("tiny-llada2")  # block-causal, attention block 8
     return Model(cfg, peaky_random_params(cfg, seed=11))

@@ -158,7 +158,7 @@ def test_no_full_precision_weight_is_materialised():
     """Compiled temp bytes of one quantized layer stay well under its full-precision weight size:
     a dense SwiGLU MLP (D 1024, F 4096: 3 x 16 MiB in fp32) through the Flax module, and the tiled
     expert matmuls (8 experts of 256 x 512: 3 x 4 MiB) reading a layer-stacked quantized stack."""
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.models.layers import MLP
     from pallas_kernels.moe import swiglu_experts_tiled
     sds = jax.ShapeDtypeStruct
@@ -226,7 +226,7 @@ def test_convert_quantize_round_trip_bit_exact(demo, tmp_path, capsys):
     from converters import export
     from dinfer_jax.checkpoint import DEMO_MODEL_DIR, read_manifest, read_params, save_params
     from dinfer_jax.cli import main
-    from dinfer_jax.config import to_hf_dict
+    from dinfer_jax.families import to_hf_dict
     from dinfer_jax.models import flatten
     model, _ = demo
     export(DEMO_MODEL_DIR, str(tmp_path / "hf"), progress=False)
@@ -317,7 +317,7 @@ def test_quantized_generate_program_lowers_for_tpu_and_cuda(kind):
     """The whole generate program over quantized abstract params exports for TPU (attention in
     Mosaic; quantized experts in the Pallas gmm kernel) and CUDA at the tiny MoE preset."""
     from dinfer_jax.aot import abstract_model, export_generate
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     cfg = preset("tiny")
     sp = SamplingParams(gen_length=16, block_length=16, cache="dual")
@@ -333,7 +333,7 @@ def test_quantized_checkpoint_loads_sharded(demo, tmp_path):
     """A quantized checkpoint restored onto a 2x2x2 mesh of 8 fake CPU devices: the quantized
     values keep the weight's sharding, the scales follow it, and logits equal the unsharded ones."""
     from dinfer_jax.checkpoint import save_params
-    from dinfer_jax.config import to_hf_dict
+    from dinfer_jax.families import to_hf_dict
     model, _ = demo
     qmodel, _, _ = _quantized(model, "int8")
     folder = str(tmp_path / "q")
@@ -366,7 +366,7 @@ def test_quantized_model_equals_its_dequantized_float_model_at_depth():
     bit: its tiles are dequantized to fp32 before the dot, as the float model multiplies; int8
     scales the product instead, so fp32 rounding). So what quantization changes is the weights'
     values only, at every depth (bench/RESULTS.md: fp8's top-1 flips at 16 random layers)."""
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     from dinfer_jax.models import flatten, init_params, unflatten
     cfg = preset("tiny").replace(num_layers=16)

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.config import ConfigError, from_hf_dict, load_hf_config, preset, to_hf_dict
+from dinfer_jax.config import ConfigError
+from dinfer_jax.families import from_hf_dict, load_hf_config, preset, to_hf_dict
 
 REL_TOL = 1e-4
 CFG_DENSE = preset("tiny-sdar")  # tied embeddings, GQA 4/2, block 4

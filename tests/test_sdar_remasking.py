@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dinfer_jax.config import preset
+from dinfer_jax.families import preset
 from dinfer_jax.decoding.block_loop import entropy, entropy_bounded_transfer, sample_tokens, sequential_transfer
 from dinfer_jax.engine import InvalidParam, SamplingParams, generate
 

@@ -17,7 +17,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def tiny_llada2():
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.model import Model
     cfg = preset("tiny-llada2")
     from demo_helpers import peaky_random_params

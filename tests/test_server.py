@@ -41,7 +41,7 @@ def served(tmp_path_factory):
 
     from dinfer_jax import checkpoint as ckpt
     from dinfer_jax.chat import ChatFormatter
-    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.families import preset, to_hf_dict
     from dinfer_jax.model import load_model
     from dinfer_jax.models import init_params
     from dinfer_jax.server import ServerConfig, create_app

@@ -158,7 +158,7 @@ def test_rows_left_masked_are_cut_and_count_their_own_forwards():
     bound. The continuous scheduler, with lengths 4 and 12 mixed in one program, reports each row's
     forwards as decoding it alone does (the row's own bound, not the program's), and no answer holds
     the mask id: ids end before the first undecoded position, which `undecoded_tokens` counts."""
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     from dinfer_jax.model import Model
     from dinfer_jax.train import init_params
@@ -407,7 +407,8 @@ def test_atomic_folders_get_ordinary_permissions(tmp_path):
 
 
 def test_config_field_of_the_wrong_type_is_named(tmp_path):
-    from dinfer_jax.config import ConfigError, from_hf_dict, to_hf_dict
+    from dinfer_jax.config import ConfigError
+    from dinfer_jax.families import from_hf_dict, to_hf_dict
     model, _ = demo()
     hf = {**to_hf_dict(model.config), "hidden_size": "big"}
     with pytest.raises(ConfigError, match="hidden_size='big' is not a valid value"):

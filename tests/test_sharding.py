@@ -115,7 +115,7 @@ def test_two_processes_one_global_mesh(moe_model, tmp_path):
     """2 processes x 4 CPU devices (gloo), one ("data"=2, "expert"=4) mesh over all 8: process 0's
     tokens equal one device's. The model is restored from a dinfer-jax checkpoint by every process."""
     from dinfer_jax import checkpoint as ckpt
-    from dinfer_jax.config import to_hf_dict
+    from dinfer_jax.families import to_hf_dict
     from dinfer_jax.engine import SamplingParams
     folder = str(tmp_path / "ckpt")
     ckpt.save_params(folder, moe_model.params, to_hf_dict(moe_model.config))
@@ -164,7 +164,7 @@ def test_mesh_spec_errors():
 
 @pytest.mark.smoke
 def test_mesh_that_does_not_divide_the_model_is_a_clear_error():
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     cfg = preset("tiny")  # 8 experts, 4 heads, F 32
     with pytest.raises(shd.ShardingError, match="'expert' of size 3"):
         shd.check_mesh_fits(cfg, _MeshShape(expert=3))
@@ -191,7 +191,7 @@ def test_expert_tensor_data_parallel_smoke(tmp_path):
     """No torch: a random tiny LLaDA-MoE saved as a dinfer-jax checkpoint, run on one device and
     on a (2, 2, 2) mesh (also the python3.12 / newest-jax check of shard_map and the mesh API)."""
     from dinfer_jax import checkpoint as ckpt
-    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.families import preset, to_hf_dict
     from dinfer_jax.models import init_params
     cfg = preset("tiny")
     folder = str(tmp_path / "ckpt")
@@ -208,7 +208,7 @@ def test_llada2_expert_parallel_matches_single_device(tmp_path):
     """A random tiny LLaDA2 (block-causal, sigmoid group router with expert bias, shared expert,
     leading dense layer) on expert=8 (2 of 16 experts per device) and a (2, 2, 2) mesh."""
     from dinfer_jax import checkpoint as ckpt
-    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.families import preset, to_hf_dict
     from dinfer_jax.models import init_params
     cfg = preset("tiny-llada2")
     folder = str(tmp_path / "ckpt")
@@ -228,7 +228,7 @@ def test_llada2_expert_parallel_matches_single_device(tmp_path):
 def test_llada2_mini_param_shardings_on_8_devices():
     """LLaDA2-mini's 256 experts over 8 devices (32 each), expert FFN / shared expert / dense layer
     / attention over "model", router and expert bias replicated."""
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.models import abstract_params
     cfg = preset("llada2-mini")
     shapes = {k: v.shape for k, v in abstract_params(cfg).items()}

@@ -45,7 +45,7 @@ def _plan(preset_name, topology, mesh, **kw):
 
 def _plan_uncached(preset_name, topology, mesh, **kw):
     from dinfer_jax import plan
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     cfg = preset(preset_name)
     block = cfg.attention_mask == "block_causal"
@@ -126,7 +126,7 @@ def test_7b_a1b_generate_on_one_v5e_matches_an_independent_compile():
     from jax.experimental import topologies
 
     from dinfer_jax.aot import abstract_model
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     out = _plan("llada-moe-7b-a1b", "v5e:1x1", None)
     _check(out, min_mosaic=2)  # attention and the grouped matmul
@@ -154,7 +154,7 @@ def test_llada2_mini_block_diffusion_on_v5e_2x2_expert_parallel():
     assert out["mesh"] == {"data": 1, "expert": 4, "model": 1} and out["chips"] == 4
     assert out["audits"]["no_full_expert_gather"]
     # each chip holds a quarter of the experts: well under the whole model's bf16 bytes
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     assert out["per_chip_bytes"]["arguments"] < 0.5 * 2 * preset("llada2-mini").num_params
 
 
@@ -189,7 +189,7 @@ def test_continuous_batching_programs_compile():
 
 @needs_libtpu
 def test_int8_program_compiles_and_halves_the_weights():
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     out = _plan("llada-moe-7b-a1b", "v5e:1x1", None, quantize="int8", gen_length=64)
     _check(out, min_mosaic=2)
     n = preset("llada-moe-7b-a1b").num_params
@@ -205,7 +205,7 @@ def test_observer_program_has_a_host_callback_in_the_loop():
 
     from dinfer_jax import plan
     from dinfer_jax.aot import abstract_model
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     topo = plan.get_topology("v5e:1x1")
     model = abstract_model(preset("tiny"), "tpu", dtype=jnp.float32, mesh=plan.topology_mesh(topo, None),
@@ -227,7 +227,7 @@ def test_constrained_program_compiles_for_tpu():
 
     from dinfer_jax import plan
     from dinfer_jax.aot import abstract_model
-    from dinfer_jax.config import preset
+    from dinfer_jax.families import preset
     from dinfer_jax.engine import SamplingParams
     topo = plan.get_topology("v5e:1x1")
     model = abstract_model(preset("tiny"), "tpu", dtype=jnp.bfloat16, mesh=plan.topology_mesh(topo, None))
@@ -274,7 +274,7 @@ def test_plan_json_fields_and_unfit_model(tmp_path):
     import dataclasses
     import json
 
-    from dinfer_jax.config import preset, to_hf_dict
+    from dinfer_jax.families import preset, to_hf_dict
     cfg = dataclasses.replace(preset("llada-8b"), num_layers=64)
     (tmp_path / "config.json").write_text(json.dumps(to_hf_dict(cfg)))
     r = _cli("plan", "--model", str(tmp_path), "--topology", "v5e:1x1", "--gen-length", "64", "--no-find-batch",

@@ -16,7 +16,8 @@ import json
 import os
 from typing import Any, Callable, Mapping
 
-from dinfer_jax.config import ConfigError
+from dinfer_jax.config import (ConfigError, ModelConfig, _bad_field, read_json, resolve_special_ids,
+                               special_ids_from_files)
 
 # ChatML turns (Qwen-based families: Dream, SDAR, Fast-dLLM v2), the plain-message path of their
 # templates. A model folder's own chat_template (tokenizer_config.json) always wins.
@@ -163,3 +164,68 @@ def layer(base: Mapping[str, Any], upd: Mapping[str, Any], whole: bool = False) 
         out.pop("steps", None)
     return out
 
+
+# ---- config.json -> ModelConfig (any registered family), and the presets
+
+def family_of(hf: Mapping[str, Any]):
+    """The `Family` whose architecture names config.json's architectures[0]."""
+    if not isinstance(hf, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object, found {type(hf).__name__}")
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ConfigError("config.json has no 'architectures' entry; supported: "
+                          + ", ".join(sorted(architectures())))
+    fam = by_architecture(archs[0])
+    if fam is None:
+        raise ConfigError(f"unknown architecture {archs[0]!r} in config.json; supported: "
+                          + ", ".join(sorted(architectures())))
+    return fam
+
+
+def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = None) -> ModelConfig:
+    """ModelConfig from the contents of a Hugging Face config.json (any registered family).
+
+    Special ids: see `resolve_special_ids` (`file_ids` come from `special_ids_from_files`)."""
+    fam = family_of(hf)
+    where = f"{hf['architectures'][0]} config"
+    try:
+        return fam.read_config(hf, lambda vocab: resolve_special_ids(hf, file_ids, fam.default_ids, vocab, where),
+                               where)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {_bad_field(hf, e)}") from None
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict:
+    """A config.json for `cfg` in its family's Hugging Face format (used by export and tests)."""
+    return get(cfg.family).write_config(cfg)
+
+
+def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        if os.path.isdir(os.path.join(folder, "params")):
+            raise ConfigError(f"{folder}: incomplete dinfer-jax checkpoint (conversion did not finish): params/ but "
+                              "no config.json; delete the folder and convert again")
+        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    hf = read_json(path)
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, got a {type(hf).__name__}")
+    return from_hf_dict(hf, special_ids_from_files(folder))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: each family module declares its own
+
+
+def presets() -> dict[str, ModelConfig]:
+    """Every family's presets by name."""
+    return {name: cfg for fam in all_families() for name, cfg in fam.presets.items()}
+
+
+def preset(name: str) -> ModelConfig:
+    table = presets()
+    if name not in table:
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(table)}")
+    return table[name]
