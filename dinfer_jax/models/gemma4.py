@@ -180,6 +180,8 @@ class Gemma4Layer(nn.Module):
 
 
 class _Attention(nn.Module):
+    """q/k RMSNorm (weighted), v RMSNorm (unweighted; V = raw k projection on full layers), RoPE of
+    the layer kind, scale-1 softmax over the cache (module doc): x_BSD -> (y_BSD, (k, v) cache)."""
     cfg: Gemma4Config
     kind: str
     dtype: jnp.dtype = jnp.float32
