@@ -253,3 +253,18 @@ def test_released_preset_sizes():
     total = sum(int(np.prod(x.shape)) for _, x in leaves)
     experts = sum(int(np.prod(x.shape)) for p, x in leaves if "experts" in jax.tree_util.keystr(p))
     assert round(total / 1e9, 2) == 25.25 and round((total - experts + experts * 8 // 128) / 1e9, 2) == 3.84
+
+
+def test_left_padded_batch_matches_reference(ref_model, ours):
+    """Rows of different prompt lengths, left-padded (attention_mask / prompt_mask): positions are
+    shared by the rows, padding only masked, as the reference does."""
+    prompt = np.random.default_rng(3).integers(2, 96, (2, 6))
+    prompt[1, :2] = 0
+    mask = np.ones((2, 6), bool)
+    mask[1, :2] = False
+    case = dict(max_new_tokens=12, max_denoising_steps=5, entropy_bound=2.0)
+    ref_ids, draws = _recorded_generate(ref_model, prompt, seed=5, attention_mask=torch.as_tensor(mask.astype(np.int64)),
+                                        **case)
+    unpadded, _ = _recorded_generate(ref_model, prompt, seed=5, **case)
+    assert (ref_ids != unpadded).any()  # the mask matters
+    np.testing.assert_array_equal(dg.generate_with_draws(ours, prompt, draws, prompt_mask=mask, **case), ref_ids)
