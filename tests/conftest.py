@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-# The CLI turns JAX's persistent compile cache on by default; tests (in-process CLI calls and their
-# subprocesses) leave ~/.cache alone unless a test sets its own folder.
-os.environ.setdefault("DINFER_JAX_COMPILE_CACHE", "off")
+from fast_compile import FAST_XLA_FLAGS, enable_shared_cache, remove_cache_made_here, shared_cache_dir  # noqa: E402,I001
+
+# Fast XLA:CPU compiles in this process and every subprocess that inherits the environment.
+os.environ["DINFER_TEST_XLA_FLAGS"] = FAST_XLA_FLAGS  # for subprocesses that set their own XLA_FLAGS
+if FAST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA_FLAGS}".strip()
+# The CLI turns JAX's persistent compile cache on by default (~/.cache); tests (in-process CLI calls
+# and their subprocesses) use this run's shared temporary cache instead, unless a test sets its own.
+_RUN_CACHE = shared_cache_dir()
+os.environ.setdefault("DINFER_JAX_COMPILE_CACHE", _RUN_CACHE or "off")
 # With libtpu installed (the `tpu` extra) jax would probe for a TPU in every test process; tests run
 # on the CPU and compile for TPU only through compile-only topologies (tests/test_tpu_compile.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,12 +25,18 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # No model hub in tests: a Hub id resolves from the (test-built) cache only, never the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+enable_shared_cache()
+
 from dinfer_jax.families import preset  # noqa: E402
 
 # LLaDA-MoE test model: GQA 4/2, 8 experts top-2 (uneven loads at these sizes).
 MOE_CFG = preset("tiny")
 # LLaDA dense test model with GQA (LLaDA-8B is MHA; n_kv_heads < n_heads is also valid config).
 DENSE_CFG = preset("tiny-dense").replace(num_kv_heads=2)
+
+
+def pytest_unconfigure(config):
+    remove_cache_made_here()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from fast_compile import enable_shared_cache, xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"
+enable_shared_cache()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -15,9 +15,12 @@ import json
 import os
 import sys
 
+from fast_compile import enable_shared_cache, xla_flags  # noqa: E402
+
 job = json.load(open(sys.argv[1]))
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={job['devices']}"
+os.environ["XLA_FLAGS"] = xla_flags(job["devices"])
 os.environ["JAX_PLATFORMS"] = "cpu"
+enable_shared_cache()
 
 from dinfer_jax import sharding as shd  # noqa: E402
 

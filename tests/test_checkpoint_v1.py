@@ -107,7 +107,7 @@ def test_v1_quantized_loads_sharded(folders, tmp_path):
     the transposing read + device_put) gives the v2 folder's logits."""
     v2, v1 = folders[2], folders[3]
     code = f"""
-import os; os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"; os.environ["JAX_PLATFORMS"] = "cpu"
+import os; os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + os.environ.get("DINFER_TEST_XLA_FLAGS", ""); os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np
 from dinfer_jax import load_model, sharding as shd
 ids = np.arange(32).reshape(2, 16) % 100

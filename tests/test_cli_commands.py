@@ -52,7 +52,8 @@ def test_profile_writes_trace(ckpt, tmp_path):
 
 @pytest.mark.smoke
 def test_generate_on_a_mesh_equals_one_device(ckpt):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    flags = "--xla_force_host_platform_device_count=4 " + os.environ.get("DINFER_TEST_XLA_FLAGS", "")
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     one = run(["generate", "--model", ckpt, "--prompt-ids", "5,6,7,8", "--json"] + GEN, env=env)
     four = run(["generate", "--model", ckpt, "--prompt-ids", "5,6,7,8", "--json", "--mesh", "expert=2,model=2"] + GEN,
                env=env)

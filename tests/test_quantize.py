@@ -341,7 +341,7 @@ def test_quantized_checkpoint_loads_sharded(demo, tmp_path):
     ids = (np.arange(32) % model.config.vocab_size).reshape(2, 16)
     np.save(tmp_path / "ref.npy", qmodel.logits(ids))
     code = f"""
-import os; os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"; os.environ["JAX_PLATFORMS"] = "cpu"
+import os; os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + os.environ.get("DINFER_TEST_XLA_FLAGS", ""); os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np
 from dinfer_jax import load_model, sharding as shd
 m = load_model({folder!r}, mesh=shd.make_mesh("data=2,expert=2,model=2"))
