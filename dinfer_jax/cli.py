@@ -115,6 +115,9 @@ def cmd_plan(a):
     from dinfer_jax import plan
     from dinfer_jax.families import load_hf_config, preset
     from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.families import diffusion_gemma as dgf
+    if (a.model is not None and dgf.is_folder(ckpt.check_model_folder(a.model))) or a.preset in dgf.PRESETS:
+        return _plan_diffusion_gemma(a)
     cfg = load_hf_config(ckpt.check_model_folder(a.model)) if a.model is not None else preset(a.preset)
     over = {k: v for k, v in (("gen_length", a.gen_length), ("block_length", a.block_length), ("cache", a.cache))
             if v is not None}
@@ -124,6 +127,39 @@ def cmd_plan(a):
                     sampling=SamplingParams.for_model(cfg, **over), quantize=a.quantize, programs=a.programs,
                     tpf=a.tpf)
     print(json.dumps(out) if a.json else plan.format_table(out))
+
+
+def _plan_diffusion_gemma(a):
+    """`plan` for DiffusionGemma (families/diffusion_gemma_plan.py): the generate program for --batch
+    prompts of --prompt-len tokens and --gen-length new tokens (default: one canvas) on --mesh
+    (default: the experts over every device)."""
+    from dinfer_jax import plan
+    from dinfer_jax.families import diffusion_gemma as dgf
+    from dinfer_jax.families import diffusion_gemma_plan as dgp
+    given = [n for n, default in (("block_length", None), ("cache", None), ("quantize", None),
+                                  ("programs", "generate"), ("tpf", 1.0), ("no_find_batch", False))
+             if getattr(a, n) != default]
+    if given:
+        raise plan.PlanError(f"DiffusionGemma plan: {', '.join('--' + n.replace('_', '-') for n in given)} do not "
+                             "apply (it takes --mesh, --batch, --prompt-len and --gen-length)")
+    if a.model is not None:
+        with open(os.path.join(a.model, "config.json")) as f:
+            cfg, canvas = dgf.config_from_hf(json.load(f))
+    else:
+        cfg, canvas = dgf.preset(a.preset)
+    mesh = a.mesh or f"data=1,expert={len(plan.get_topology(a.topology).devices)},model=1"
+    out = dgp.compile_plan(cfg, canvas, a.topology, mesh, batch=a.batch, prompt_len=a.prompt_len,
+                           max_new_tokens=a.gen_length or canvas)
+    if a.json:
+        print(json.dumps(out))
+    else:
+        b = out["per_chip_bytes"]
+        gib = lambda x: f"{x / 2**30:.2f} GiB"
+        print(f"DiffusionGemma on {out['topology']} ({out['device_kind']}, {out['devices']} devices), mesh "
+              f"{out['mesh']}, batch {out['batch']}, prompt {out['prompt_len']}, {out['canvases']} canvas(es) of "
+              f"{out['canvas_length']}: per chip {gib(b['arguments'])} arguments + {gib(b['temp'])} temp = "
+              f"{gib(b['total'])} of {gib(out['hbm_bytes'])}: {'fits' if out['fits'] else 'does NOT fit'} "
+              f"(compiled in {out['compile_seconds']} s)")
 
 
 def cmd_logits(a):
@@ -342,8 +378,8 @@ def cmd_generate(a):
     import numpy as np
     from dinfer_jax import compile_cache, generate
     from dinfer_jax.families.diffusion_gemma import is_folder
-    if a.model is not None and is_folder(_model_dir(a)):
-        return _generate_diffusion_gemma(a, _model_dir(a))
+    if a.model is not None and is_folder(model_dir := _model_dir(a)):
+        return _generate_diffusion_gemma(a, model_dir)
     if getattr(a, "prompts_file", None) is not None:
         if _constraint_flags(a) is not None:
             raise ValueError("--suffix / --infill / --json-schema / --json-object / --regex / --choice work with one prompt "

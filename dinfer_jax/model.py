@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,22 +114,9 @@ class Model:
         return Generator(self)
 
     def check_ids(self, ids) -> np.ndarray:
-        try:
-            arr = np.asarray(ids)
-        except ValueError as e:  # ragged nesting
-            raise ValueError(f"token ids must be a rectangular (L,) or (B, L) array ({e})") from None
-        if arr.ndim not in (1, 2) or arr.size == 0:
-            raise ValueError(f"token ids must be a non-empty (L,) or (B, L) array, got shape {arr.shape}")
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= self.config.vocab_size)
-        if bad.any():
-            raise ValueError(f"token id {int(arr[bad].flat[0])} is out of the vocabulary "
-                             f"[0, {self.config.vocab_size}) ({int(bad.sum())} bad ids)")
-        if arr.shape[-1] > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {arr.shape[-1]} exceeds max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
-        return arr.astype(np.int32)
+        """ids (L,) or (B, L) -> int32, or a ValueError naming the bad id / shape / length."""
+        from dinfer_jax.token_ids import check_token_ids
+        return check_token_ids(ids, self.config.vocab_size, self.config.max_position_embeddings)
 
     def logits(self, ids, key_mask=None) -> np.ndarray:
         """ids (L,) or (B, L) ints -> fp32 logits (L, V) or (B, L, V). key_mask: True = attend."""

@@ -91,7 +91,7 @@ def test_logits_match_reference(ref_model, ours, prompt_len):
     assert np.max(np.abs(got - ref)) <= REL_TOL * np.max(np.abs(ref)), np.max(np.abs(got - ref))
     sc = (rng.standard_normal((2, C, 96)) * 3).astype(np.float32)  # self-conditioning on earlier logits
     ref_sc = _ref_logits(ref_model, prompt, canvas, sc)
-    got_sc = dg.logits(ours, prompt, canvas, sc)
+    got_sc = ours.logits(prompt, canvas=canvas, self_conditioning=sc)  # the Model-style entry point
     assert np.max(np.abs(ref_sc - ref)) > 1e-2  # the signal matters
     assert np.max(np.abs(got_sc - ref_sc)) <= REL_TOL * np.max(np.abs(ref_sc))
 
@@ -193,6 +193,8 @@ def test_our_rng_generation_runs_and_is_seeded(ours):
 def test_bad_input_is_named(ours):
     with pytest.raises(ValueError, match="prompt_ids"):
         dg.logits(ours, np.array([[1, 200]]), np.zeros((1, C), int))
+    with pytest.raises(ValueError, match="pass canvas"):
+        ours.logits(np.array([[1, 2]]))
     with pytest.raises(ValueError, match="t_min"):
         dg.DiffusionGemmaSettings(t_min=0.9, t_max=0.8)
     with pytest.raises(ValueError, match="draws"):

@@ -113,11 +113,11 @@ def test_malformed_json_names_no_param_and_bodies_are_capped(server):
 
 def test_mixed_lengths_and_blocks_decode_together(server):
     """Concurrent requests whose max_tokens / block_length select different programs (16 and 5,
-    24 and 12, blocks 1..7): all answered as the engine answers each alone."""
+    24 and 12, blocks 1, 3 and 7): all answered as the engine answers each alone."""
     s, model, tok, cfg = server
     bodies = [{"prompt": PROMPT, "max_tokens": m} for m in (16, 5) * 4]
     bodies += [{"prompt": "sort 5391=", "max_tokens": m} for m in (24, 12)]
-    bodies += [{"prompt": PROMPT, "max_tokens": 8, "block_length": b} for b in range(1, 8)]
+    bodies += [{"prompt": PROMPT, "max_tokens": 8, "block_length": b} for b in (1, 3, 7)]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
         got = list(ex.map(lambda b: httpx.post(f"{s.url}/v1/completions", json=b, timeout=600), bodies))
     for b, r in zip(bodies, got):
@@ -364,7 +364,10 @@ def test_a_new_length_compiles_without_delaying_warmed_lengths():
             raise AssertionError(f"no new program was compiled: {tries}")
         during = lat[2:]  # requests that ran while the new program compiled
         assert len(during) >= 3, (lat, new_latency)
-        assert max(during) < max(0.5 * new_latency, 4 * max(base)), (base, lat, new_latency)
+        # A scheduler blocked by the compile holds one steady request for about the whole compile
+        # (~0.95 x new_latency: the new request's own run is short). A free one keeps them near `base`;
+        # on a loaded 2-core CI machine the compile thread still starves one of them for up to ~0.7 x.
+        assert max(during) < max(0.8 * new_latency, 4 * max(base)), (base, lat, new_latency)
 
 
 def test_no_unretrieved_exceptions_on_cancel_and_shutdown():

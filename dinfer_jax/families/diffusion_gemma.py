@@ -32,6 +32,7 @@ import numpy as np
 
 from dinfer_jax.decoding import entropy_bound as eb
 from dinfer_jax.models.gemma4 import FULL, SLIDING, EncoderCache, Gemma4Config, Gemma4Diffusion
+from dinfer_jax.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -219,16 +220,19 @@ class DiffusionGemma:
     def module(self) -> Gemma4Diffusion:
         return Gemma4Diffusion(self.cfg, jax.tree_util.tree_leaves(self.params)[0].dtype)
 
+    def logits(self, prompt_ids, *, canvas=None, self_conditioning=None) -> np.ndarray:
+        """The decoder's fp32 (B, C, V) logits over `canvas` (B, C) after the encoder encoded
+        `prompt_ids` (B, L); `self_conditioning`: the previous step's (B, C, V) logits or None."""
+        if canvas is None:
+            raise ValueError("DiffusionGemma's logits are the decoder's over a canvas: pass canvas=(B, C) token ids "
+                             "(the encoder pass computes no logits)")
+        return logits(self, prompt_ids, canvas, self_conditioning)
+
 
 def _check_ids(cfg: Gemma4Config, ids, what: str) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.ndim == 1:
-        arr = arr[None]
-    if arr.ndim != 2 or arr.size == 0 or arr.dtype.kind not in "iu":
-        raise ValueError(f"{what}: expected a non-empty (L,) or (B, L) integer array, got shape {arr.shape}")
-    if arr.min() < 0 or arr.max() >= cfg.vocab_size:
-        raise ValueError(f"{what}: token ids must be in [0, {cfg.vocab_size})")
-    return arr.astype(np.int32)
+    """(L,) or (B, L) ids -> (B, L) int32 (ValueError naming a bad id or shape)."""
+    arr = check_token_ids(ids, cfg.vocab_size, what=what)
+    return arr[None] if arr.ndim == 1 else arr
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

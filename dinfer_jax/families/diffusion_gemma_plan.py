@@ -1,0 +1,100 @@
+"""DiffusionGemma on a TPU topology, compiled with libtpu's compile-only devices (nothing runs, no
+weights read): the whole generate program (prefill, canvases, denoising steps, re-encoding) over
+abstract params sharded on a ("data", "expert", "model") mesh, and its per-chip bytes.
+
+Shardings come from the layers' own logical axes (models/gemma4.py `param`) through
+sharding.LOGICAL_RULES, non-strict: experts over "expert"; query heads, the FFN width, the experts'
+width and the vocabulary over "model"; a dim the mesh does not divide (e.g. 2 KV heads of the full
+layers on model=4) stays replicated. The prompt batch goes over "data".
+
+`compile_plan(cfg, canvas_length, topology, mesh_spec, batch=, prompt_len=, max_new_tokens=)` ->
+dict with the fields of `dinfer-jax plan --json` that apply (per_chip_bytes, fits, collectives, ...).
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dinfer_jax import plan as tpu_plan
+from dinfer_jax import sharding as shd
+from dinfer_jax.families import diffusion_gemma as dg
+from dinfer_jax.models.gemma4 import EncoderCache, Gemma4Config, Gemma4Diffusion
+
+
+def _boxed_abstract_params(cfg: Gemma4Config, dtype):
+    m = Gemma4Diffusion(cfg, dtype)
+    cache = EncoderCache.empty(cfg, 1, 4, dtype)
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda: m.init(jax.random.PRNGKey(0), ids, ids, cache,
+                                         jnp.zeros((1, 2, cfg.vocab_size), dtype))["params"])
+
+
+def abstract_params(cfg: Gemma4Config, mesh, dtype=jnp.bfloat16):
+    """The param tree as ShapeDtypeStructs, each with its NamedSharding on `mesh` (module doc)."""
+    boxed = _boxed_abstract_params(cfg, dtype)
+    specs = nn.get_partition_spec(boxed)
+    shapes = nn.meta.unbox(boxed)
+
+    def place(sds, spec, path):
+        what = "/".join(str(getattr(k, "key", k)) for k in path)
+        ps = shd.logical_spec(tuple(spec), tuple(sds.shape), mesh, what=what)
+        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=NamedSharding(mesh, ps))
+    return jax.tree_util.tree_map_with_path(lambda path, s, p: place(s, p, path), shapes, specs,
+                                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec=None, *, batch: int = 1,
+                 prompt_len: int = 256, max_new_tokens: int = 256, stability_threshold: int = 1,
+                 dtype=jnp.bfloat16) -> dict:
+    """Compile `generate` for `batch` prompts of `prompt_len` tokens and `max_new_tokens` (whole
+    canvases) on the topology -> plan JSON (per-chip bytes, fit, collectives, compile seconds)."""
+    if batch <= 0 or prompt_len <= 0 or max_new_tokens <= 0:
+        raise tpu_plan.PlanError(f"batch {batch}, prompt_len {prompt_len} and max_new_tokens {max_new_tokens} "
+                                 f"must be positive")
+    topo = tpu_plan.get_topology(topology)
+    mesh = tpu_plan.topology_mesh(topo, mesh_spec)
+    if batch % math.prod(mesh.shape[a] for a in shd.batch_axes(batch, mesh)):
+        raise tpu_plan.PlanError(f"batch {batch} does not split over the mesh {shd.mesh_summary(mesh)}")
+    params = abstract_params(cfg, mesh, dtype)
+    data = NamedSharding(mesh, P(shd.batch_axes(batch, mesh) or None))
+    repl = NamedSharding(mesh, P())
+    C, n_canvases = canvas_length, -(-max_new_tokens // canvas_length)
+    sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    draws = dg._Draws(*(sds((n, batch, C), jnp.int32, repl) for n in (4, 64, 64)))
+    knobs = jax.tree_util.tree_map(lambda x: sds(np.shape(x), x.dtype, repl),
+                                   dg._Knobs.of(dg.DiffusionGemmaSettings(max_new_tokens=max_new_tokens), False))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    args = (params, sds((batch, prompt_len), jnp.int32, data), sds((batch, prompt_len), jnp.bool_, data), draws,
+            sds(key.shape, key.dtype, repl), knobs)
+    static = (Gemma4Diffusion(cfg, dtype), C, n_canvases, stability_threshold)
+    c = tpu_plan.compile_program("generate", _Bound(static), args)
+    param_bytes = sum(tpu_plan._shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
+    hbm = topo.hbm_bytes_per_device
+    return {"compiled": True, "family": "diffusion_gemma", "topology": topo.name, "device_kind": topo.device_kind,
+            "chips": topo.chips, "devices": len(topo.devices), "mesh": {a: mesh.shape[a] for a in shd.MESH_AXES},
+            "batch": batch, "prompt_len": prompt_len, "canvas_length": C, "canvases": n_canvases,
+            "per_chip_bytes": {"arguments": c.arguments, "temp": c.temp, "code": c.code, "total": c.total},
+            "param_bytes_per_chip": param_bytes, "hbm_bytes": hbm, "fits": c.total <= hbm,
+            "mosaic_calls": c.mosaic_calls, "interpreted": c.interpreted,
+            "collectives": tpu_plan.collectives(c.instrs), "flops": c.flops, "bytes_accessed": c.bytes_accessed,
+            "compile_seconds": round(c.seconds, 2),
+            "audits": {"host_callbacks_in_loop": tpu_plan.host_callbacks(c.instrs)}}
+
+
+class _Bound:
+    """dg._generate with its static arguments bound, as compile_program's `fn` (lower / trace)."""
+
+    def __init__(self, static):
+        self.static = static
+
+    def lower(self, *args):
+        return dg._generate.lower(*self.static, *args)
+
+    def trace(self, *args):
+        return dg._generate.trace(*self.static, *args)
