@@ -140,8 +140,9 @@ def _plan_diffusion_gemma(a):
                                   ("programs", "generate"), ("tpf", 1.0), ("no_find_batch", False))
              if getattr(a, n) != default]
     if given:
-        raise plan.PlanError(f"DiffusionGemma plan: {', '.join('--' + n.replace('_', '-') for n in given)} do not "
-                             "apply (it takes --mesh, --batch, --prompt-len and --gen-length)")
+        raise plan.PlanError(f"DiffusionGemma plan: {', '.join('--' + n.replace('_', '-') for n in given)} "
+                             f"{'does' if len(given) == 1 else 'do'} not apply (it takes --mesh, --batch, --prompt-len "
+                             "and --gen-length)")
     if a.model is not None:
         with open(os.path.join(a.model, "config.json")) as f:
             cfg, canvas = dgf.config_from_hf(json.load(f))

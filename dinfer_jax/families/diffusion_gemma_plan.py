@@ -7,6 +7,11 @@ sharding.LOGICAL_RULES, non-strict: experts over "expert"; query heads, the FFN 
 width and the vocabulary over "model"; a dim the mesh does not divide (e.g. 2 KV heads of the full
 layers on model=4) stays replicated. The prompt batch goes over "data".
 
+Known gap (audits.no_full_expert_gather is False): the experts run as one `lax.ragged_dot` left to
+XLA's SPMD partitioner, which all-gathers each layer's whole expert stack in every forward: the
+weights fit per chip, but every forward moves all of them. The other MoE families run expert
+parallelism by hand in shard_map (models/expert_parallel.py); Gemma-4's experts do not use it yet.
+
 `compile_plan(cfg, canvas_length, topology, mesh_spec, batch=, prompt_len=, max_new_tokens=)` ->
 dict with the fields of `dinfer-jax plan --json` that apply (per_chip_bytes, fits, collectives, ...).
 """
@@ -76,6 +81,8 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
     c = tpu_plan.compile_program("generate", _Bound(static), args)
     param_bytes = sum(tpu_plan._shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
     hbm = topo.hbm_bytes_per_device
+    expert_stack = cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size * np.dtype(dtype).itemsize
+    big_gather = tpu_plan.largest(c.instrs, ("all-gather", "all-gather-start"))
     return {"compiled": True, "family": "diffusion_gemma", "topology": topo.name, "device_kind": topo.device_kind,
             "chips": topo.chips, "devices": len(topo.devices), "mesh": {a: mesh.shape[a] for a in shd.MESH_AXES},
             "batch": batch, "prompt_len": prompt_len, "canvas_length": C, "canvases": n_canvases,
@@ -84,7 +91,9 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
             "mosaic_calls": c.mosaic_calls, "interpreted": c.interpreted,
             "collectives": tpu_plan.collectives(c.instrs), "flops": c.flops, "bytes_accessed": c.bytes_accessed,
             "compile_seconds": round(c.seconds, 2),
-            "audits": {"host_callbacks_in_loop": tpu_plan.host_callbacks(c.instrs)}}
+            "audits": {"host_callbacks_in_loop": tpu_plan.host_callbacks(c.instrs),
+                       "largest_all_gather_bytes": big_gather, "expert_stack_bytes": expert_stack,
+                       "no_full_expert_gather": big_gather < expert_stack}}
 
 
 class _Bound:
