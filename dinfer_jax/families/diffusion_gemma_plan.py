@@ -7,10 +7,10 @@ sharding.LOGICAL_RULES, non-strict: experts over "expert"; query heads, the FFN 
 width and the vocabulary over "model"; a dim the mesh does not divide (e.g. 2 KV heads of the full
 layers on model=4) stays replicated. The prompt batch goes over "data".
 
-Known gap (audits.no_full_expert_gather is False): the experts run as one `lax.ragged_dot` left to
-XLA's SPMD partitioner, which all-gathers each layer's whole expert stack in every forward: the
-weights fit per chip, but every forward moves all of them. The other MoE families run expert
-parallelism by hand in shard_map (models/expert_parallel.py); Gemma-4's experts do not use it yet.
+The experts run expert parallelism by hand (models/gemma4.py `_Experts` with the mesh: shard_map,
+tokens meet their experts' shard, partial sums reduced); audits.no_full_expert_gather checks that
+no whole expert stack is all-gathered (left to XLA's SPMD partitioner, the one `lax.ragged_dot`
+all-gathered every layer's stack in every forward).
 
 `compile_plan(cfg, canvas_length, topology, mesh_spec, batch=, prompt_len=, max_new_tokens=)` ->
 dict with the fields of `dinfer-jax plan --json` that apply (per_chip_bytes, fits, collectives, ...).
@@ -66,6 +66,10 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
     mesh = tpu_plan.topology_mesh(topo, mesh_spec)
     if batch % math.prod(mesh.shape[a] for a in shd.batch_axes(batch, mesh)):
         raise tpu_plan.PlanError(f"batch {batch} does not split over the mesh {shd.mesh_summary(mesh)}")
+    ep, tp = mesh.shape["expert"], mesh.shape["model"]
+    if cfg.num_experts % ep or cfg.moe_intermediate_size % tp:
+        raise tpu_plan.PlanError(f"mesh {shd.mesh_summary(mesh)}: the {cfg.num_experts} experts must split over "
+                                 f"expert={ep} and their width {cfg.moe_intermediate_size} over model={tp}")
     params = abstract_params(cfg, mesh, dtype)
     data = NamedSharding(mesh, P(shd.batch_axes(batch, mesh) or None))
     repl = NamedSharding(mesh, P())
@@ -77,7 +81,7 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     args = (params, sds((batch, prompt_len), jnp.int32, data), sds((batch, prompt_len), jnp.bool_, data), draws,
             sds(key.shape, key.dtype, repl), knobs)
-    static = (Gemma4Diffusion(cfg, dtype), C, n_canvases, stability_threshold)
+    static = (Gemma4Diffusion(cfg, dtype, mesh), C, n_canvases, stability_threshold)
     c = tpu_plan.compile_program("generate", _Bound(static), args)
     param_bytes = sum(tpu_plan._shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
     hbm = topo.hbm_bytes_per_device

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -162,6 +163,7 @@ class Gemma4Layer(nn.Module):
     cfg: Gemma4Config
     kind: str
     dtype: jnp.dtype = jnp.float32
+    mesh: Any = None  # expert parallelism for the experts (None: one device's path)
 
     @nn.compact
     def __call__(self, x_BSD, positions_BS, kv, mask_BST, encode: bool):
@@ -171,8 +173,8 @@ class Gemma4Layer(nn.Module):
         out, new_kv = _Attention(c, self.kind, dt, name="attn")(a_in, positions_BS, kv, mask_BST, encode)
         r = x_BSD + _norm(self, "post_attn_norm", D, dt, out, eps)
         dense = _GeluMLP(D, c.intermediate_size, dt, name="mlp")(_norm(self, "pre_ffn_norm", D, dt, r, eps))
-        moe = _Experts(c, dt, name="experts")(_norm(self, "pre_ffn_norm_2", D, dt, r, eps),
-                                              *_Router(c, dt, name="router")(r))
+        moe = _Experts(c, dt, self.mesh, name="experts")(_norm(self, "pre_ffn_norm_2", D, dt, r, eps), r,
+                                                         _Router(c, dt, name="router")())
         ffn = _norm(self, "post_ffn_norm_1", D, dt, dense, eps) + _norm(self, "post_ffn_norm_2", D, dt, moe, eps)
         y = r + _norm(self, "post_ffn_norm", D, dt, ffn, eps)
         scalar = param(self, "encoder_scalar" if encode else "decoder_scalar", (1,), (None,), dt, nn.initializers.ones)
@@ -234,44 +236,75 @@ class _GeluMLP(nn.Module):
         return (jax.nn.gelu(g, approximate=True) * u) @ param(self, "down_proj", (I, D), ("mlp", "embed"), dt)
 
 
+def route(r_TD, router_params, cfg: "Gemma4Config"):
+    """r_TD (raw residual) -> (weights_TX fp32, experts_TX): softmax over E of
+    proj(norm(r) * scale / sqrt(D)), top-k renormalised to 1, then times per_expert_scale.
+    router_params = (proj (D, E), scale (D,), per_expert_scale (E,))."""
+    proj, scale, pes = router_params
+    D = r_TD.shape[-1]
+    x = rms_norm(r_TD, None, cfg.rms_norm_eps)
+    x = x * scale.astype(x.dtype) * (D ** -0.5)
+    probs = jax.nn.softmax((x @ proj).astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, cfg.top_k_experts)
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w * jnp.take(pes, idx).astype(jnp.float32), idx
+
+
 class _Router(nn.Module):
-    """r_BSD (raw residual) -> (weights_TX fp32, experts_TX): softmax over E of
-    proj(norm(r) * scale / sqrt(D)), top-k renormalised to 1, then times per_expert_scale."""
+    """The router's params: proj (D, E), scale (D), per_expert_scale (E) (see `route`)."""
     cfg: Gemma4Config
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, r_BSD):
+    def __call__(self):
         c, dt = self.cfg, self.dtype
         D, E = c.hidden_size, c.num_experts
-        x = rms_norm(r_BSD, None, c.rms_norm_eps)
-        x = x * param(self, "scale", (D,), ("embed",), dt, nn.initializers.ones).astype(x.dtype) * (D ** -0.5)
-        logits = x.reshape(-1, D) @ param(self, "proj", (D, E), ("embed", "expert_logits"), dt)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        w, idx = jax.lax.top_k(probs, c.top_k_experts)
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
-        pes = param(self, "per_expert_scale", (E,), ("expert",), dt, nn.initializers.ones)
-        return w * jnp.take(pes, idx).astype(jnp.float32), idx
+        return (param(self, "proj", (D, E), ("embed", "expert_logits"), dt),
+                param(self, "scale", (D,), ("embed",), dt, nn.initializers.ones),
+                param(self, "per_expert_scale", (E,), ("expert",), dt, nn.initializers.ones))
+
+
+def _gelu_experts(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Dropless sorted GELU-tanh experts (lax.ragged_dot). Expert id E (= the stack's size) marks
+    a slot of no local expert (expert parallelism): it sorts last, in no group, and gives 0."""
+    E = w_gate_EDF.shape[0]
+
+    def grouped(x_sorted, flat_experts):
+        sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
+        h = jax.nn.gelu(ragged_matmul(x_sorted, w_gate_EDF, sizes), approximate=True) \
+            * ragged_matmul(x_sorted, w_up_EDF, sizes)
+        return ragged_matmul(h, w_down_EFD, sizes)
+    return _sorted_experts(x_TD, weights_TX, experts_TX, grouped)
 
 
 class _Experts(nn.Module):
-    """Routed GELU-tanh experts, dropless (sorted by expert, lax.ragged_dot): x_BSD -> y_BSD."""
+    """Routed GELU-tanh experts, dropless: (x_BSD expert input, r_BSD router input, router params)
+    -> y_BSD. With a mesh whose "expert" x "model" is > 1, expert parallelism by hand in shard_map
+    (models/expert_parallel.py: tokens meet their experts' shard, partial sums reduced); else one
+    sorted `lax.ragged_dot` path."""
     cfg: Gemma4Config
     dtype: jnp.dtype = jnp.float32
+    mesh: Any = None
 
     @nn.compact
-    def __call__(self, x_BSD, weights_TX, experts_TX):
+    def __call__(self, x_BSD, r_BSD, router_params):
         c, dt = self.cfg, self.dtype
         E, D, F = c.num_experts, c.hidden_size, c.moe_intermediate_size
         wg = param(self, "gate_proj", (E, D, F), ("expert", "embed", "mlp"), dt)
         wu = param(self, "up_proj", (E, D, F), ("expert", "embed", "mlp"), dt)
         wd = param(self, "down_proj", (E, F, D), ("expert", "mlp", "embed"), dt)
-
-        def grouped(x_sorted, flat_experts):
-            sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-            h = jax.nn.gelu(ragged_matmul(x_sorted, wg, sizes), approximate=True) * ragged_matmul(x_sorted, wu, sizes)
-            return ragged_matmul(h, wd, sizes)
-        y = _sorted_experts(x_BSD.reshape(-1, D), weights_TX, experts_TX, grouped)
+        x_TD, r_TD = x_BSD.reshape(-1, D), r_BSD.reshape(-1, D)
+        m = self.mesh
+        if m is None or m.shape["expert"] * m.shape["model"] == 1:
+            y = _gelu_experts(x_TD, *route(r_TD, router_params, c), wg, wu, wd)
+        else:
+            from dinfer_jax.models.expert_parallel import moe_expert_parallel
+            from dinfer_jax.sharding import batch_axes
+            # the router reads r, the experts x: both travel as one (T, 2D) token array
+            y = moe_expert_parallel(
+                jnp.concatenate([x_TD, r_TD.astype(x_TD.dtype)], axis=-1), router_params, wg, wu, wd, mesh=m,
+                token_axes=batch_axes(x_BSD.shape[0], m), route_fn=lambda xr, rp: route(xr[:, D:], rp, c),
+                local_experts_fn=lambda xr, w, e, g, u, d: _gelu_experts(xr[:, :D], w, e, g, u, d))
         return y.reshape(x_BSD.shape).astype(x_BSD.dtype)
 
 
@@ -279,16 +312,19 @@ class Gemma4Diffusion(nn.Module):
     """encode(tokens_BS, cache, token_valid_BS=None) -> cache with the S tokens written at slots
     [cache.length, cache.length + S); decode(canvas_BC, cache, sc_logits_BCV=None) -> soft-capped
     fp32 logits (B, C, V) of the canvas at slots [cache.length, +C), self-conditioned on the previous
-    step's logits (None: the first step; sc_mask_B zeroes rows) (module doc). `dtype`: params."""
+    step's logits (None: the first step; sc_mask_B zeroes rows) (module doc). `dtype`: params;
+    `mesh`: a ("data", "expert", "model") Mesh for expert parallelism (None: one device)."""
     cfg: Gemma4Config
     dtype: jnp.dtype = jnp.float32
+    mesh: Any = None
 
     def setup(self):
         c = self.cfg
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=self.dtype, dtype=self.dtype,
                               embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                           ("vocab", "embed")))
-        self.layers = [Gemma4Layer(c, kind, self.dtype, name=f"layer_{i}") for i, kind in enumerate(c.layer_types)]
+        self.layers = [Gemma4Layer(c, kind, self.dtype, self.mesh, name=f"layer_{i}")
+                       for i, kind in enumerate(c.layer_types)]
         self.final_norm_scale = self.param("final_norm", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
                                            (c.hidden_size,), self.dtype)
         self.self_conditioning = _SelfConditioning(c, self.dtype)

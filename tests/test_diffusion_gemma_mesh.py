@@ -1,0 +1,59 @@
+"""DiffusionGemma's expert parallelism (models/gemma4.py `_Experts` with a mesh: shard_map, tokens
+to their experts' shard, partial sums reduced) on 8 fake CPU devices: the encoder + decoder logits
+on an all-axes mesh (data=2, expert=2, model=2: tokens split over "expert" are gathered) and on
+expert=8 (a batch of 4 stays replicated over "expert") equal one device's to 2e-6 of the largest
+|logit| (the psum adds the top-k contributions in another order: a few fp32 ulps), argmax equal.
+No torch: a random tiny model from the preset's config with small dims."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+CODE = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + os.environ.get("DINFER_TEST_XLA_FLAGS", "")
+os.environ["JAX_PLATFORMS"] = "cpu"
+import json
+import jax, jax.numpy as jnp, numpy as np
+from dinfer_jax import sharding as shd
+from dinfer_jax.families import diffusion_gemma as dg
+from dinfer_jax.models.gemma4 import EncoderCache, Gemma4Diffusion, init_params
+hf = json.loads(json.dumps(dg.PRESETS["diffusion-gemma-26b-a4b"]))
+hf["canvas_length"] = 8
+hf["text_config"].update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                         top_k_experts=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
+                         vocab_size=512, max_position_embeddings=1024)
+cfg, C = dg.config_from_hf(hf)
+params = jax.tree_util.tree_map(lambda x: x * 3 if x.ndim >= 2 else x, init_params(cfg, seed=3))  # peakier routing
+rng = np.random.RandomState(0)
+prompt = jnp.asarray(rng.randint(0, 512, (4, 12)), jnp.int32)
+canvas = jnp.asarray(rng.randint(0, 512, (4, C)), jnp.int32)
+
+def logits(mesh):
+    m = Gemma4Diffusion(cfg, jnp.float32, mesh)
+    def f(p, prompt, canvas):
+        cache = m.apply({"params": p}, prompt, EncoderCache.empty(cfg, 4, 12 + C), method=Gemma4Diffusion.encode)
+        return m.apply({"params": p}, canvas, cache, None, method=Gemma4Diffusion.decode)
+    return np.asarray(jax.jit(f)(params, prompt, canvas))
+
+ref = logits(None)
+out = {}
+for spec in ("data=2,expert=2,model=2", "expert=8"):
+    got = logits(shd.make_mesh(spec))
+    out[spec] = [float(np.abs(got - ref).max() / np.abs(ref).max()), bool((got.argmax(-1) == ref.argmax(-1)).all())]
+print(json.dumps(out))
+"""
+
+
+def test_expert_parallel_logits_equal_one_device():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    p = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for spec, (rel, same_argmax) in out.items():
+        assert rel <= 2e-6 and same_argmax, (spec, rel, same_argmax)
