@@ -3,7 +3,7 @@ to their experts' shard, partial sums reduced) on 8 fake CPU devices: the encode
 on an all-axes mesh (data=2, expert=2, model=2: tokens split over "expert" are gathered) and on
 expert=8 (a batch of 4 stays replicated over "expert") equal one device's to 2e-6 of the largest
 |logit| (the psum adds the top-k contributions in another order: a few fp32 ulps), argmax equal.
-No torch: a random tiny model from the preset's config with small dims."""
+No torch: a random model of the preset diffusion-gemma-tiny."""
 from __future__ import annotations
 
 import json
@@ -21,13 +21,7 @@ import jax, jax.numpy as jnp, numpy as np
 from dinfer_jax import sharding as shd
 from dinfer_jax.families import diffusion_gemma as dg
 from dinfer_jax.models.gemma4 import EncoderCache, Gemma4Diffusion, init_params
-hf = json.loads(json.dumps(dg.PRESETS["diffusion-gemma-26b-a4b"]))
-hf["canvas_length"] = 8
-hf["text_config"].update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                         top_k_experts=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
-                         vocab_size=512, max_position_embeddings=1024)
-cfg, C = dg.config_from_hf(hf)
+cfg, C = dg.preset("diffusion-gemma-tiny")
 params = jax.tree_util.tree_map(lambda x: x * 3 if x.ndim >= 2 else x, init_params(cfg, seed=3))  # peakier routing
 rng = np.random.RandomState(0)
 prompt = jnp.asarray(rng.randint(0, 512, (4, 12)), jnp.int32)

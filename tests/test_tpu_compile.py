@@ -290,7 +290,7 @@ def test_plan_json_fields_and_unfit_model(tmp_path):
 
 @needs_libtpu
 def test_diffusion_gemma_generate_compiles_with_experts_split(tmp_path):
-    """`plan --model` on a tiny DiffusionGemma folder (config.json only): the whole generate program
+    """`plan --model` on a diffusion-gemma-tiny folder (config.json only): the whole generate program
     (prefill, canvases, denoising steps, re-encoding) compiles for v5e:2x2 with data=2, expert=2;
     each chip holds half of every expert-axis param (the per-chip param bytes = those computed here
     from the shapes, expert-axis params halved), no whole expert stack is all-gathered (expert
@@ -302,12 +302,7 @@ def test_diffusion_gemma_generate_compiles_with_experts_split(tmp_path):
 
     from dinfer_jax.families import diffusion_gemma as dg
     from dinfer_jax.models.gemma4 import init_params
-    hf = json.loads(json.dumps(dg.PRESETS["diffusion-gemma-26b-a4b"]))
-    hf["canvas_length"] = 8
-    hf["text_config"].update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                             top_k_experts=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=16,
-                             vocab_size=512, max_position_embeddings=1024)
+    hf = dg.PRESETS["diffusion-gemma-tiny"]  # 8 experts
     (tmp_path / "config.json").write_text(json.dumps(hf))
     r = _cli("plan", "--model", str(tmp_path), "--topology", "v5e:2x2", "--mesh", "data=2,expert=2", "--batch", "2",
              "--prompt-len", "16", "--gen-length", "16", "--json")

@@ -52,6 +52,14 @@ PRESETS = {
                         "max_position_embeddings": 262144, "use_bidirectional_attention": "vision",
                         "final_logit_softcapping": 30.0}},
 }
+# A tiny model of the same layout (tests, the compile matrix): 2 layers (sliding, full), 8 experts.
+PRESETS["diffusion-gemma-tiny"] = {
+    **PRESETS["diffusion-gemma-26b-a4b"], "canvas_length": 8,
+    "text_config": {**PRESETS["diffusion-gemma-26b-a4b"]["text_config"],
+                    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8,
+                    "top_k_experts": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "sliding_window": 16,
+                    "vocab_size": 512, "max_position_embeddings": 1024}}
 
 
 def preset(name: str) -> tuple[Gemma4Config, int]:
