@@ -148,8 +148,7 @@ def _plan_diffusion_gemma(a):
             cfg, canvas = dgf.config_from_hf(json.load(f))
     else:
         cfg, canvas = dgf.preset(a.preset)
-    mesh = a.mesh or f"data=1,expert={len(plan.get_topology(a.topology).devices)},model=1"
-    out = dgp.compile_plan(cfg, canvas, a.topology, mesh, batch=a.batch, prompt_len=a.prompt_len,
+    out = dgp.compile_plan(cfg, canvas, a.topology, a.mesh, batch=a.batch, prompt_len=a.prompt_len,
                            max_new_tokens=a.gen_length or canvas)
     if a.json:
         print(json.dumps(out))

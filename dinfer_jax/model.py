@@ -13,6 +13,7 @@ from dinfer_jax import checkpoint as ckpt
 from dinfer_jax import sharding as shd
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import Transformer, flatten, unflatten
+from dinfer_jax.token_ids import check_token_ids
 
 
 def default_dtype():
@@ -115,7 +116,6 @@ class Model:
 
     def check_ids(self, ids) -> np.ndarray:
         """ids (L,) or (B, L) -> int32, or a ValueError naming the bad id / shape / length."""
-        from dinfer_jax.token_ids import check_token_ids
         return check_token_ids(ids, self.config.vocab_size, self.config.max_position_embeddings)
 
     def logits(self, ids, key_mask=None) -> np.ndarray:

@@ -325,7 +325,7 @@ def compile_program(name: str, fn, args, static=()) -> Compiled:
                     sum(c["interpret"] for c in calls), seconds, hlo_instructions(text))
 
 
-def _shard_bytes(sds) -> int:
+def shard_bytes(sds) -> int:
     """Bytes of one device's shard of a ShapeDtypeStruct (the whole array without a sharding)."""
     shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
     return int(math.prod(shape)) * np.dtype(sds.dtype).itemsize
@@ -450,7 +450,7 @@ def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1,
         Lc = todo["init"][1][1].shape[1]
     compiled = {name: compile_program(name, fn, args, static) for name, (fn, args, static) in todo.items()}
     params = model.abstract_params()
-    param_bytes = sum(_shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
+    param_bytes = sum(shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
     expert = 0
     if cfg.is_moe:
         expert = cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * np.dtype(dtype).itemsize

@@ -29,20 +29,12 @@ from jax.sharding import PartitionSpec as P
 from dinfer_jax import plan as tpu_plan
 from dinfer_jax import sharding as shd
 from dinfer_jax.families import diffusion_gemma as dg
-from dinfer_jax.models.gemma4 import EncoderCache, Gemma4Config, Gemma4Diffusion
-
-
-def _boxed_abstract_params(cfg: Gemma4Config, dtype):
-    m = Gemma4Diffusion(cfg, dtype)
-    cache = EncoderCache.empty(cfg, 1, 4, dtype)
-    ids = jnp.zeros((1, 2), jnp.int32)
-    return jax.eval_shape(lambda: m.init(jax.random.PRNGKey(0), ids, ids, cache,
-                                         jnp.zeros((1, 2, cfg.vocab_size), dtype))["params"])
+from dinfer_jax.models.gemma4 import Gemma4Config, Gemma4Diffusion, boxed_params
 
 
 def abstract_params(cfg: Gemma4Config, mesh, dtype=jnp.bfloat16):
     """The param tree as ShapeDtypeStructs, each with its NamedSharding on `mesh` (module doc)."""
-    boxed = _boxed_abstract_params(cfg, dtype)
+    boxed = jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype))
     specs = nn.get_partition_spec(boxed)
     shapes = nn.meta.unbox(boxed)
 
@@ -58,12 +50,13 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
                  prompt_len: int = 256, max_new_tokens: int = 256, stability_threshold: int = 1,
                  dtype=jnp.bfloat16) -> dict:
     """Compile `generate` for `batch` prompts of `prompt_len` tokens and `max_new_tokens` (whole
-    canvases) on the topology -> plan JSON (per-chip bytes, fit, collectives, compile seconds)."""
+    canvases) on the topology's mesh (None: the experts over every device) -> plan JSON (per-chip
+    bytes, fit, collectives, compile seconds)."""
     if batch <= 0 or prompt_len <= 0 or max_new_tokens <= 0:
         raise tpu_plan.PlanError(f"batch {batch}, prompt_len {prompt_len} and max_new_tokens {max_new_tokens} "
                                  f"must be positive")
     topo = tpu_plan.get_topology(topology)
-    mesh = tpu_plan.topology_mesh(topo, mesh_spec)
+    mesh = tpu_plan.topology_mesh(topo, mesh_spec or {"data": 1, "expert": len(topo.devices), "model": 1})
     if batch % math.prod(mesh.shape[a] for a in shd.batch_axes(batch, mesh)):
         raise tpu_plan.PlanError(f"batch {batch} does not split over the mesh {shd.mesh_summary(mesh)}")
     ep, tp = mesh.shape["expert"], mesh.shape["model"]
@@ -83,7 +76,7 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
             sds(key.shape, key.dtype, repl), knobs)
     static = (Gemma4Diffusion(cfg, dtype, mesh), C, n_canvases, stability_threshold)
     c = tpu_plan.compile_program("generate", _Bound(static), args)
-    param_bytes = sum(tpu_plan._shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
+    param_bytes = sum(tpu_plan.shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
     hbm = topo.hbm_bytes_per_device
     expert_stack = cfg.num_experts * cfg.hidden_size * cfg.moe_intermediate_size * np.dtype(dtype).itemsize
     big_gather = tpu_plan.largest(c.instrs, ("all-gather", "all-gather-start"))

@@ -40,9 +40,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.models.expert_parallel import moe_expert_parallel
 from dinfer_jax.models.layers import param
 from dinfer_jax.models.moe import _sorted_experts
 from dinfer_jax.models.quant import ragged_matmul
+from dinfer_jax.sharding import batch_axes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -298,8 +300,6 @@ class _Experts(nn.Module):
         if m is None or m.shape["expert"] * m.shape["model"] == 1:
             y = _gelu_experts(x_TD, *route(r_TD, router_params, c), wg, wu, wd)
         else:
-            from dinfer_jax.models.expert_parallel import moe_expert_parallel
-            from dinfer_jax.sharding import batch_axes
             # the router reads r, the experts x: both travel as one (T, 2D) token array
             y = moe_expert_parallel(
                 jnp.concatenate([x_TD, r_TD.astype(x_TD.dtype)], axis=-1), router_params, wg, wu, wd, mesh=m,
@@ -404,10 +404,15 @@ class _SelfConditioning(nn.Module):
         return rms_norm(emb_BCD + signal, None, c.rms_norm_eps)
 
 
-def init_params(cfg: Gemma4Config, seed: int = 0, dtype=jnp.float32, batch: int = 1, slots: int = 8):
-    """Random params (tests); shapes only depend on cfg."""
+def boxed_params(cfg: Gemma4Config, seed: int = 0, dtype=jnp.float32, batch: int = 1, slots: int = 8):
+    """Random params, each boxed with its logical axes (nn.get_partition_spec reads them); under
+    jax.eval_shape, the shapes only. Shapes only depend on cfg."""
     m = Gemma4Diffusion(cfg, dtype)
     cache = EncoderCache.empty(cfg, batch, slots, dtype)
     ids = jnp.zeros((batch, 2), jnp.int32)
-    variables = m.init(jax.random.PRNGKey(seed), ids, ids, cache, jnp.zeros((batch, 2, cfg.vocab_size)))
-    return nn.meta.unbox(variables["params"])
+    return m.init(jax.random.PRNGKey(seed), ids, ids, cache, jnp.zeros((batch, 2, cfg.vocab_size), dtype))["params"]
+
+
+def init_params(cfg: Gemma4Config, seed: int = 0, dtype=jnp.float32, batch: int = 1, slots: int = 8):
+    """Random params (tests); shapes only depend on cfg."""
+    return nn.meta.unbox(boxed_params(cfg, seed, dtype, batch, slots))
