@@ -123,7 +123,8 @@ def cmd_plan(a):
             if v is not None}
     if cfg.attention_mask == "block_causal" and "cache" not in over:
         over["cache"] = "block"
-    out = plan.plan(cfg, a.topology, a.mesh, find_batch=not a.no_find_batch, batch=a.batch, prompt_len=a.prompt_len,
+    out = plan.plan(cfg, a.topology, a.mesh, find_batch=not a.no_find_batch, every_mesh=a.every_mesh,
+                    batch=a.batch, prompt_len=a.prompt_len,
                     sampling=SamplingParams.for_model(cfg, **over), quantize=a.quantize, programs=a.programs,
                     tpf=a.tpf)
     print(json.dumps(out) if a.json else plan.format_table(out))
@@ -1223,8 +1224,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="model folder, or 'demo' / 'demo-block' (only its config.json is read)")
     src.add_argument("--preset", help="a config preset (dinfer_jax.families.presets), e.g. llada-moe-7b-a1b")
     pl.add_argument("--topology", required=True, help="e.g. v5e:1x1, v5e:2x2, v6e:2x4, v5p:2x2x1, v7x:2x2x1")
-    pl.add_argument("--mesh", default=None, help="data=,expert=,model= sizes (default: try every mesh that "
-                                                 "divides the model, pick the best that fits)")
+    pl.add_argument("--mesh", default=None, help="data=,expert=,model= sizes (default: of the meshes that "
+                                                 "divide the model, the best predicted floor that fits)")
+    pl.add_argument("--every-mesh", action="store_true", help="without --mesh: compile every mesh (default: "
+                    "best floor first, stopping at the first that fits; same choice, fewer compiles)")
     pl.add_argument("--batch", type=_positive, default=1)
     pl.add_argument("--prompt-len", type=_positive, default=256)
     pl.add_argument("--gen-length", type=_positive, default=None, help="default: the family's")

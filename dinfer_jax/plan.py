@@ -10,8 +10,9 @@ from `cost_analysis()`, Mosaic calls and collectives read off the compiled HLO, 
 and a predicted floor: forwards/s = the chip's spec-sheet HBM bandwidth / the bytes a forward must
 read at least per chip (its weight shard and its KV-cache shard), or the chip's bf16 peak / its share of
 the forward's matmul flops when that is slower, tokens/s = forwards/s x batch x TPF.
-`plan(...)` without a mesh compiles every data x expert x model mesh that divides the model and
-picks the fitting one with the best predicted floor.
+`plan(...)` without a mesh picks, of the data x expert x model meshes that divide the model, the
+fitting one with the best predicted floor: the floor needs no compile (`prepare_plan`), so meshes are
+compiled best floor first until one fits (`every_mesh=True` compiles them all).
 
 "Per chip" means per JAX device: one per chip on v5e / v6e / v5p (megacore), two per TPU7x chip
 (each TensorCore is a device; its spec-sheet HBM and bandwidth are halved).
@@ -349,6 +350,15 @@ class Plan:
     head_dim: int
     forward_flops: float  # whole forward, all devices: 2 x active params x program batch x window
     largest_batch: int | None = None
+    pending: dict = dataclasses.field(default_factory=dict, repr=False)  # name -> (fn, args, static) to compile
+
+    def compile(self) -> "Plan":
+        """Compile the pending programs (DoesNotFit when XLA:TPU wants more HBM than the chip has)."""
+        while self.pending:
+            name, (fn, args, static) = next(iter(self.pending.items()))
+            self.programs[name] = compile_program(name, fn, args, static)
+            del self.pending[name]
+        return self
 
     @property
     def main(self) -> Compiled:
@@ -425,11 +435,12 @@ def _kv_bytes(cfg: ModelConfig, model, sampling: SamplingParams, batch: int, can
     return 2 * cfg.num_layers * (batch // b_split) * canvas * (cfg.num_kv_heads // k_split) * cfg.head_dim * itemsize
 
 
-def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1, prompt_len: int = 256,
+def prepare_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1, prompt_len: int = 256,
                  sampling: SamplingParams | None = None, quantize: str | None = None, programs: str = "generate",
                  tpf: float = 1.0, dtype=jnp.bfloat16) -> Plan:
-    """Compile `programs` ("generate": the whole generate program; "serving": the continuous-batching
-    init + segment programs) for `batch` prompts of `prompt_len` tokens on the topology's mesh."""
+    """Everything of a plan but the compile: the model over abstract params on the topology's mesh,
+    the programs' argument specs, per-device param / KV bytes and the floor (`Plan.predicted` needs
+    no compile). `Plan.compile()` then runs XLA:TPU; `compile_plan` does both."""
     if programs not in ("generate", "serving"):
         raise PlanError(f"--programs {programs!r}: one of generate, serving")
     if batch <= 0 or prompt_len <= 0:
@@ -448,7 +459,6 @@ def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1,
         B = batch
         todo = segment_program_args(model, batch=batch, prompt_len=prompt_len, sampling=sampling)
         Lc = todo["init"][1][1].shape[1]
-    compiled = {name: compile_program(name, fn, args, static) for name, (fn, args, static) in todo.items()}
     params = model.abstract_params()
     param_bytes = sum(shard_bytes(x) for x in jax.tree_util.tree_leaves(params))
     expert = 0
@@ -456,30 +466,54 @@ def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1,
         expert = cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * np.dtype(dtype).itemsize
         if quantize is not None:
             expert //= np.dtype(dtype).itemsize
-    return Plan(topo, {a: mesh.shape[a] for a in shd.MESH_AXES}, batch, B, Lc, compiled, param_bytes,
+    return Plan(topo, {a: mesh.shape[a] for a in shd.MESH_AXES}, batch, B, Lc, {}, param_bytes,
                 _kv_bytes(cfg, model, sampling, B, Lc), expert, tpf, cfg.num_layers,
                 cfg.num_kv_heads // (mesh.shape["model"] if cfg.num_kv_heads % mesh.shape["model"] == 0 else 1),
                 cfg.head_dim, 2.0 * cfg.num_active_params * B * (Lc if sampling.cache == "none" else
-                                                                 sampling.block_length))
+                                                                 sampling.block_length), pending=todo)
 
 
-def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = True, **kw) -> dict:
+def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, **kw) -> Plan:
+    """Compile `programs` ("generate": the whole generate program; "serving": the continuous-batching
+    init + segment programs) for `batch` prompts of `prompt_len` tokens on the topology's mesh
+    (keywords as `prepare_plan`)."""
+    return prepare_plan(cfg, topo, mesh_spec, **kw).compile()
+
+
+def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = True, every_mesh: bool = True,
+         **kw) -> dict:
     """Compile for the topology on `mesh_spec` (or every mesh that divides the model: the fitting one
     with the best predicted tokens/s is chosen) -> the chosen Plan's JSON plus "meshes" (one row each);
     a model that fits no mesh: fits false and "reason". find_batch: also compile at twice the batch
-    and report the largest power-of-two batch the per-chip total extrapolates to within HBM."""
+    and report the largest power-of-two batch the per-chip total extrapolates to within HBM.
+    every_mesh=False: the same choice with fewer compiles. The floor needs no compile, so meshes are
+    compiled best floor first until one fits; a mesh whose param shard alone exceeds HBM is not
+    compiled. Rows of meshes left uncompiled say why."""
     topo = get_topology(topology)
     meshes = [mesh_spec] if mesh_spec else candidate_meshes(cfg, topo)
     if not meshes:
         return {"compiled": False, "topology": topo.name, "device_kind": topo.device_kind, "chips": topo.chips,
                 "fits": False, "reason": f"no data x expert x model mesh over {len(topo.devices)} devices divides "
                                          f"the model (experts, heads, FFN)"}
+    prepared = [prepare_plan(cfg, topo, sizes, **kw) for sizes in meshes]
+    if not every_mesh:
+        prepared.sort(key=lambda p: -p.predicted()["tokens_per_s"])
     rows, plans = [], []
-    for sizes in meshes:
+    for p in prepared:
+        skip = None
+        if not every_mesh and any(q.fits for q in plans):
+            skip = "not compiled: a mesh with a better floor fits"
+        elif not every_mesh and p.param_bytes > topo.hbm_bytes_per_device:
+            skip = (f"not compiled: the param shard alone is {p.param_bytes / GiB:.2f} GiB per chip "
+                    f"(HBM {topo.hbm_bytes_per_device / GiB:.2f} GiB)")
+        if skip:
+            rows.append({"mesh": p.mesh, "total": None, "fits": False if "alone" in skip else None,
+                         "tokens_per_s": p.predicted()["tokens_per_s"], "compile_seconds": None, "reason": skip})
+            continue
         try:
-            p = compile_plan(cfg, topo, sizes, **kw)
+            p.compile()
         except DoesNotFit as e:
-            rows.append({"mesh": _mesh_dict(topo, sizes), "total": None, "fits": False, "tokens_per_s": None,
+            rows.append({"mesh": p.mesh, "total": None, "fits": False, "tokens_per_s": None,
                          "compile_seconds": None, "reason": str(e)})
             continue
         plans.append(p)
@@ -487,7 +521,7 @@ def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = 
         rows.append({"mesh": j["mesh"], "total": j["per_chip_bytes"]["total"], "fits": j["fits"],
                      "tokens_per_s": j["predicted"]["tokens_per_s"], "compile_seconds": j["compile_seconds"]})
     fitting = [p for p in plans if p.fits]
-    if not fitting and not plans:  # XLA:TPU refused every mesh for want of HBM
+    if not fitting and not plans:  # XLA:TPU refused every mesh for want of HBM (or no shard fits)
         return {"compiled": False, "topology": topo.name, "device_kind": topo.device_kind, "chips": topo.chips,
                 "mesh": None, "per_chip_bytes": None, "hbm_bytes": topo.hbm_bytes_per_device, "fits": False,
                 "mosaic_calls": None, "collectives": None, "flops": None, "bytes_accessed": None,

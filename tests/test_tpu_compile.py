@@ -278,7 +278,7 @@ def test_plan_json_fields_and_unfit_model(tmp_path):
     cfg = dataclasses.replace(preset("llada-8b"), num_layers=64)
     (tmp_path / "config.json").write_text(json.dumps(to_hf_dict(cfg)))
     r = _cli("plan", "--model", str(tmp_path), "--topology", "v5e:1x1", "--gen-length", "64", "--no-find-batch",
-             "--json")
+             "--every-mesh", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for k in ("compiled", "topology", "device_kind", "chips", "mesh", "per_chip_bytes", "hbm_bytes", "fits",
@@ -286,6 +286,14 @@ def test_plan_json_fields_and_unfit_model(tmp_path):
         assert k in out, k
     assert out["fits"] is False and out["compiled"] is False and out["device_kind"] == "TPU v5 lite"
     assert "Ran out of memory on HBM" in out["reason"], out["reason"]  # XLA:TPU's own refusal
+    # the default search compiles nothing whose param shard alone exceeds HBM (~28 GiB > 16 GiB)
+    r = _cli("plan", "--model", str(tmp_path), "--topology", "v5e:1x1", "--gen-length", "64", "--no-find-batch",
+             "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["fits"] is False and out["compiled"] is False and out["meshes"][0]["compile_seconds"] is None
+    assert f"not compiled: the param shard alone is {cfg.num_params * 2 / 2**30:.2f} GiB" in out["reason"], \
+        (out["reason"], cfg.num_params)
 
 
 @needs_libtpu
