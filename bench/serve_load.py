@@ -187,7 +187,7 @@ def run(rate=40.0, duration=20.0, drain=60.0, mix=(16, 32, 64), schedulers=("sta
     from dinfer_jax.engine import SamplingParams
     from dinfer_jax.server import ServerConfig
     from dinfer_jax.tokenizer import load_tokenizer
-    model, tok = load_model(DEMO_MODEL_DIR), load_tokenizer(DEMO_MODEL_DIR)
+    tok = load_tokenizer(DEMO_MODEL_DIR)
     prompts = [p["prompt"] for p in T.sample(256, seed=seed)]
     out = {"rate": rate, "duration": duration, "max_tokens_mix": list(mix), "max_batch": max_batch, "runs": {}}
     for sched in schedulers:
@@ -195,6 +195,7 @@ def run(rate=40.0, duration=20.0, drain=60.0, mix=(16, 32, 64), schedulers=("sta
                   default_params=SamplingParams(block_length=16))  # the demo model's block (as `serve` picks)
         if segment:
             kw["segment"] = segment
+        model = load_model(DEMO_MODEL_DIR)  # each scheduler its own compiled-program cache
         with InProcessServer(model, tok, ServerConfig(**kw)) as srv:
             rec, t0, t_arr, t_end = asyncio.run(_load(srv.url, prompts, rate, duration, drain, list(mix), seed))
             s = summarize(rec, t0, t_end)
@@ -220,7 +221,7 @@ def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 6
     from dinfer_jax.engine import SamplingParams
     from dinfer_jax.server import ServerConfig
     from dinfer_jax.tokenizer import load_tokenizer
-    model, tok = load_model(DEMO_MODEL_DIR), load_tokenizer(DEMO_MODEL_DIR)
+    tok = load_tokenizer(DEMO_MODEL_DIR)
     prompts = [p["prompt"] for p in T.sample(256, seed=seed)]
     out = {"mode": "closed", "duration": duration, "max_tokens_mix": list(mix), "max_batch": max_batch,
            "levels": list(levels), "segment": segment, "cache": cache, "rows": []}
@@ -232,6 +233,7 @@ def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 6
                   # as `serve --warmup --warmup-max-tokens <mix>`: every batch bucket compiled first
                   warmup=True, warmup_max_tokens=tuple(sorted(set(mix))),
                   warmup_prompt_len=max(len(tok.encode(p)) for p in prompts))
+        model = load_model(DEMO_MODEL_DIR)  # each scheduler its own compiled-program cache
         with InProcessServer(model, tok, ServerConfig(**kw)) as srv:
             print(f"{sched}: warmup {srv.wait_ready():.0f} s", flush=True)
             for c in levels:
@@ -286,6 +288,40 @@ def plot(out, path) -> bool:
     return True
 
 
+def _separately(argv: list[str], schedulers: list[str], closed: bool) -> dict:
+    """Run each scheduler in a fresh process of this script and merge their JSON. One process for
+    all would be unfair to the later ones: on XLA:CPU the earlier servers' compiled programs keep
+    their memory mappings (~24k for the static warmup here), so a later server's program cache,
+    which drops programs while the process holds over half of vm.max_map_count
+    (dinfer_jax/program_cache.py), evicts its own warmed programs and recompiles them under load."""
+    import os
+    import subprocess
+    import tempfile
+    rest = [x for i, x in enumerate(argv) if not (x.startswith("--schedulers") or x.startswith("--json") or
+                                                  (i > 0 and argv[i - 1] in ("--schedulers", "--json")))]
+    merged = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for sched in schedulers:
+            path = os.path.join(tmp, f"{sched}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *rest, "--schedulers", sched, "--json", path],
+                           check=True)
+            with open(path) as f:
+                one = json.load(f)
+            if merged is None:
+                merged = one
+            elif closed:
+                merged["rows"] += one["rows"]
+            else:
+                merged["runs"].update(one["runs"])
+    if not closed and "static" in merged["runs"] and "continuous" in merged["runs"]:
+        a, b = merged["runs"]["static"], merged["runs"]["continuous"]
+        merged["continuous_vs_static"] = {"tokens_per_s": b["tokens_per_s"] / max(a["tokens_per_s"], 1e-9),
+                                          "e2e_p99": b["e2e_p99"] / a["e2e_p99"] if a["e2e_p99"] else float("nan")}
+        c = merged["continuous_vs_static"]
+        print(f"continuous / static: tokens/s x{c['tokens_per_s']:.2f}, p99 latency x{c['e2e_p99']:.2f}")
+    return merged
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=40.0, help="Poisson arrival rate, requests/s")
@@ -304,10 +340,23 @@ def main(argv=None):
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
     mix = [int(x) for x in a.max_tokens.split(",")]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    scheds = a.schedulers.split(",")
+    if len(scheds) > 1:  # one fresh process per scheduler (see _separately), merged here
+        out = _separately(argv, scheds, closed=bool(a.concurrency))
+        out["command"] = "python bench/serve_load.py " + " ".join(argv)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        if a.concurrency:
+            print(table(out))
+        elif a.plot and plot(out, a.plot):
+            print(f"plot: {a.plot}")
+        return
     if a.concurrency:
         out = run_closed([int(x) for x in a.concurrency.split(",")], a.duration, a.drain, mix,
                          a.schedulers.split(","), a.max_batch, a.seed, a.segment, a.cache)
-        out["command"] = "python bench/serve_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        out["command"] = "python bench/serve_load.py " + " ".join(argv)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)
@@ -315,7 +364,7 @@ def main(argv=None):
         return
     out = run(a.rate, a.duration, a.drain, [int(x) for x in a.max_tokens.split(",")], a.schedulers.split(","),
               a.max_batch, a.seed, a.segment)
-    out["command"] = "python bench/serve_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out["command"] = "python bench/serve_load.py " + " ".join(argv)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

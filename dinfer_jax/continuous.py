@@ -10,12 +10,14 @@ at the next segment boundary instead of after the whole batch.
 Programs: one RunningBatch per (DecodeSpec with the gen length bucketed to a power-of-two number
 of blocks, prompt bucket: `prompt_bucket`, batch size) in flight; a row decodes its own gen_length
 inside the program's region (max_tokens 16, 24 and 32 with block 8 share one program of 32),
-exactly as alone, at most `max_programs` at once, stepped round robin. A new batch's size is the
-power of two covering the waiting rows that join it plus the rows already running its program
-(at most max_batch): a lone request decodes in a batch of one (as fast as the static scheduler),
-a loaded program grows. When a program's batches drain, their rows move into one smaller batch
-(`repack_size`, `RunningBatch.take_rows`: a B-slot program costs B rows whatever the number
-running; the movers compile on the compile thread). A batch is dropped when it runs empty (its
+exactly as alone, at most `max_programs` at once, stepped round robin. A new batch takes the
+largest gen length running with the same settings (rows of every length then share one program),
+and its size is the power of two covering the waiting rows that join it plus the rows already
+running its program (at most max_batch): a lone request decodes in a batch of one (as fast as the
+static scheduler), a loaded program grows. When a program's batches drain, their rows move into
+one smaller batch, and several batches of one program merge into one (`repack_size`,
+`RunningBatch.take_rows`: a B-slot program costs B rows whatever the number running, and each
+batch costs a forward per step; the movers compile on the compile thread). A batch is dropped when it runs empty (its
 compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs
 (threshold, temperature, seed, ...) differ freely. A job that fits no running batch waits for one
 to drain (FIFO among equals; other jobs may pass it). A job that cannot be planned, admitted or decoded fails alone
@@ -69,9 +71,12 @@ def repack_size(rows: int, queued: int, slots: list[int], max_batch: int) -> int
     """The batch size the batches of one program (`slots`: their sizes), holding `rows` running rows
     with `queued` jobs of that program waiting, should be repacked into, or None to leave them: the
     power of two covering rows + queued (at most max_batch), when their slots add up to at least
-    twice it."""
+    twice it (shrink), or when there are several of them and their slots add up to at least it
+    (merge: one forward per step instead of one per batch, no more rows computed)."""
     size = min(max_batch, _pow2(rows + queued))
-    return size if rows and size >= rows and sum(slots) >= 2 * size else None
+    if not rows or size < rows:
+        return None
+    return size if sum(slots) >= 2 * size or (len(slots) > 1 and sum(slots) >= size) else None
 
 
 class ContinuousBatcher(Batcher):
@@ -245,7 +250,10 @@ class ContinuousBatcher(Batcher):
         n = len(j.prompt_ids)
         fits = [rb for rb in self.batches + new_batches if rb.accepts(j.key) and rb.fits(n) and free[id(rb)] > 0]
         if not fits and len(self.batches) + len(new_batches) < self.max_programs:
-            glen = bucket_gen_length(j.key)  # rows of any gen_length up to it share the program
+            # rows of any gen_length up to the program's share it: the largest running program of
+            # these settings, so that rows of every length keep sharing one (a forward per program)
+            glen = max([bucket_gen_length(j.key)] + [rb.spec.gen_length for rb in self.batches + new_batches
+                                                      if same_program(j.key, rb.spec)])
             prog = program_spec(j.key, glen)
             same = [k for k in [j] + list(self.pending) if same_program(k.key, prog)]
             running = sum(rb.running for rb in self.batches if rb.spec == prog)
@@ -298,11 +306,13 @@ class ContinuousBatcher(Batcher):
         running, so a batch that filled under a burst and drains under a trickle would otherwise
         keep its full cost: bench/continuous_occupancy.py). For the batches of one program
         (settings, prompt bucket) holding R running rows with Q queued jobs of that program:
-        - when their slots add up to at least twice S = pow2(R + Q) (at most max_batch), the rows
+        - when their slots add up to at least twice S = pow2(R + Q) (at most max_batch), or there
+          are several of them and their slots add up to at least S (`repack_size`), the rows
           move into one batch of S slots (an existing one of that size, else a new one once its
           programs are compiled; into a new batch one source per round, the largest first);
         - else, when one of several batches can hold all R rows, the others move into it.
-        Moves strictly lower the slots, so rows never move back and forth. Every mover is compiled
+        Once the rows sit in one batch of S, only a shrink moves them again (fewer slots), so rows
+        never move back and forth. Every mover is compiled
         on the compile thread first (a move never compiles here); rows decode on exactly as
         before (RunningBatch.take_rows)."""
         if not self.cfg.repack:

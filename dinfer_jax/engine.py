@@ -457,6 +457,11 @@ class Generator:
         self._movers_warm: set = set()  # row movers compiled ahead (warm_move_program)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
+    @property
+    def programs(self) -> ProgramCache:
+        """The compiled decoding programs (LRU; `ProgramCache.resize`, `.evicted`)."""
+        return self._programs
+
     def _forget_warm(self, key):
         """A dropped segment program is no longer warm (its prefix prefills neither)."""
         if key[0] == "segments":

@@ -70,6 +70,15 @@ class ProgramCache:
             self._trim(keep=key)
             return program
 
+    def resize(self, max_programs: int):
+        """A new count bound (>= 1); entries past it are dropped, least recently used first."""
+        if max_programs < 1:
+            raise ValueError(f"max_programs={max_programs} must be >= 1")
+        with self._lock:
+            self.max_programs = max_programs
+            while len(self._items) > self.max_programs:
+                self._drop(next(iter(self._items)))
+
     def __contains__(self, key) -> bool:
         with self._lock:
             return key in self._items

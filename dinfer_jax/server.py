@@ -74,6 +74,7 @@ class QueueFull(Exception):
 
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting request checks that its client is still there
+WARMUP_HEADROOM = 16  # programs the cache holds past what --warmup compiled (new lengths, prefill widths)
 
 
 class ClientGone(Exception):
@@ -464,6 +465,7 @@ class Batcher:
                 self._recent.popleft()
             window = max(1e-9, min(60.0, now - self._t0))
             s["tokens_per_second"] = sum(n for _, n in self._recent) / window
+        s["programs_evicted"] = self.gen.programs.evicted
         pc = getattr(self.gen, "prefix_cache", None)
         if pc is not None and pc.enabled:
             s["prefix_cache"] = pc.snapshot()
@@ -504,6 +506,8 @@ class Batcher:
             ("dinfer:compile_timeouts_total", "counter", "background compiles that ran past --compile-watchdog",
              s["compile_timeouts"]),
             ("dinfer:warmup_programs", "gauge", "programs compiled by --warmup", s["warmup_programs"]),
+            ("dinfer:programs_evicted_total", "counter", "compiled programs dropped from the program cache "
+             "(each is compiled again when next needed)", s["programs_evicted"]),
         ]
         if "background_compiles" in s:
             rows.append(("dinfer:background_compiles_total", "counter", "programs compiled off the scheduler "
@@ -574,6 +578,11 @@ class Batcher:
     def _main(self):
         if self._warmup is not None:
             t = time.perf_counter()
+            # what --warmup compiles is kept: the count bound grows to hold it (the cache's memory
+            # mapping bound still applies), else later warm-up programs would push out earlier
+            # ones and requests would compile them again under load
+            bound = self.gen.programs.max_programs
+            self.gen.programs.resize(1 << 30)
             try:
                 for max_tokens in warmup_lengths(self.cfg):
                     p = warmup_params(self.cfg, max_tokens)
@@ -586,6 +595,8 @@ class Batcher:
                 log.warning("warmup stopped: %s: %s", type(e).__name__, e)
                 with self.cond:
                     self.stats["warmup_error"] = f"{type(e).__name__}: {e}"
+            finally:
+                self.gen.programs.resize(max(bound, len(self.gen.programs) + WARMUP_HEADROOM))
             log.info("warmup: %d programs in %.1fs", self.stats["warmup_programs"], time.perf_counter() - t)
         self.ready.set()
         while not self._stop:

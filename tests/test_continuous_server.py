@@ -188,7 +188,7 @@ def test_a_drained_batch_moves_its_rows_into_a_smaller_one():
     from dinfer_jax.engine import SamplingParams
     from dinfer_jax.server import Job, ServerConfig
     assert repack_size(1, 0, [4], 4) == 1 and repack_size(3, 0, [4], 4) is None
-    assert repack_size(2, 2, [16], 16) == 4 and repack_size(5, 0, [4, 4], 8) is None
+    assert repack_size(2, 2, [16], 16) == 4 and repack_size(5, 0, [4, 4], 8) == 8 and repack_size(5, 0, [8], 8) is None
     assert repack_size(3, 0, [4, 8], 16) == 4 and repack_size(0, 3, [8], 8) is None
     model, tok = load()
     mc = model.config

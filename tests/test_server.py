@@ -208,11 +208,14 @@ class _HeldGenerator:
     (a deterministic busy engine; no sleeps decide the outcome)."""
 
     def __init__(self, config):
+        from dinfer_jax.program_cache import ProgramCache
         self.model = types.SimpleNamespace(config=config)
         self.calls, self.go, self.busy = [], threading.Event(), threading.Event()
+        self.programs = ProgramCache(2)  # one "program" per call (generate): a bound warmup exceeds
 
     def generate(self, prompts, params, observer=None, templates=None):
         self.calls.append([[int(t) for t in p] for p in prompts])
+        self.programs.get(len(self.calls), object)
         self.busy.set()
         assert self.go.wait(60)
         p = params[0] if isinstance(params, (list, tuple)) else params
@@ -391,7 +394,10 @@ def test_warmup_then_ready(served):
     health, r = asyncio.run(go(True))
     assert health.json() == {"status": "ok"} and r.status_code == 200
     assert [len(c) for c in gen.calls[:6]] == [1, 1, 2, 2, 4, 4]  # batch buckets 1, 2, 4 (>= max_batch 3)
-    assert app.state.batcher.snapshot()["warmup_programs"] == 6
+    snap = app.state.batcher.snapshot()
+    assert snap["warmup_programs"] == 6
+    # warmup keeps what it compiled: the cache's bound (2 here) grew to 6 + headroom, nothing evicted
+    assert snap["programs_evicted"] == 0 and gen.programs.max_programs == 6 + 16, snap
     app.state.batcher.close()
 
 
