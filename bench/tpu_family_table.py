@@ -85,18 +85,20 @@ def table(rows: list[dict]) -> str:
             return "does not fit" if x["fits"] is False else "n/a"
         return f"{x['total'] / GiB:.2f}" + ("" if x["fits"] else " (over)")
     out = ["| preset | generation | smallest topology that fits (batch 1) | mesh | GiB per chip at batch 1 / 16 / 64 "
-           "(of HBM) | floor tok/s at TPF 1, batch 1 / 16 / 64 |", "|---|---|---|---|---|---|"]
+           "(of HBM) | floor tok/s at TPF 1, batch 1 / 16 / 64 | KV-cache copies in the loop, batch 1 (MiB) |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["topology"] is None:
             last = r["tried"][-1] if r["tried"] else {"topology": "-", "reason": ""}
-            out.append(f"| {r['preset']} | {r['gen']} | none up to {last['topology']} | - | - | - |")
+            out.append(f"| {r['preset']} | {r['gen']} | none up to {last['topology']} | - | - | - | - |")
             continue
         m = r["mesh"]
         pb = lambda b: r["per_batch"].get(str(b), r["per_batch"].get(b)) or {}
         tps = " / ".join(str(pb(b).get("tokens_per_s") or "-") for b in (1, *BATCHES))
         out.append(f"| {r['preset']} | {r['gen']} | {r['topology']} ({r['devices']} devices) | data={m['data']},"
                    f"expert={m['expert']},model={m['model']} | {' / '.join(gib(r, b) for b in (1, *BATCHES))} "
-                   f"({r['hbm_bytes'] / GiB:.0f}) | {tps} |")
+                   f"({r['hbm_bytes'] / GiB:.0f}) | {tps} | {r['audits']['kv_copies_in_loop']} "
+                   f"({r['audits']['kv_copy_bytes'] / 2**20:.0f}) |")
     return "\n".join(out)
 
 

@@ -197,16 +197,16 @@ class ContinuousBatcher(Batcher):
     def _warmup_batch(self, p, size, ids) -> int:
         """Compile a RunningBatch of `size` slots for prompts of len(ids) (its bucket): what `_pick`
         checks before a new batch of this kind runs; and (repacking on) the movers from it into an
-        empty batch of each smaller size. -> programs compiled."""
+        empty batch of each other size (smaller: a shrink; larger: a merge). -> programs compiled."""
         rb = self._running_batch(p, size, len(ids), bucket_gen_length(p.spec_for(self.gen.model.config)))
         n = 0
         if not self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
             self.gen.warm_segment_programs(rb.spec, rb.gen_start, rb.B)
             n = 1
-        smaller = [d for d in self._warmup_sizes() if d < size]
-        if self.cfg.repack and smaller:  # the movers that shrink this batch into an empty smaller one
+        others = [d for d in self._warmup_sizes() if d != size]
+        if self.cfg.repack and others:  # the movers from this batch into an empty one of each other size
             rb.admit([(0, ids, p)], check=False)  # a state of this size (its init is compiled)
-            for d in smaller:
+            for d in others:
                 key = self.gen.move_key(rb.spec, rb.gen_start, size, d, True)
                 if not self.gen.move_ready(key):
                     self.gen.warm_move_program(key, None, abstract_state(rb.state))

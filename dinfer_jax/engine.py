@@ -462,6 +462,11 @@ class Generator:
         """The compiled decoding programs (LRU; `ProgramCache.resize`, `.evicted`)."""
         return self._programs
 
+    @property
+    def movers(self) -> ProgramCache:
+        """The compiled row movers between continuous batches (LRU, a cache of their own)."""
+        return self._movers
+
     def _forget_warm(self, key):
         """A dropped segment program is no longer warm (its prefix prefills neither)."""
         if key[0] == "segments":

@@ -581,8 +581,10 @@ class Batcher:
             # what --warmup compiles is kept: the count bound grows to hold it (the cache's memory
             # mapping bound still applies), else later warm-up programs would push out earlier
             # ones and requests would compile them again under load
-            bound = self.gen.programs.max_programs
-            self.gen.programs.resize(1 << 30)
+            caches = [self.gen.programs, self.gen.movers]
+            bounds = [c.max_programs for c in caches]
+            for c in caches:
+                c.resize(1 << 30)
             try:
                 for max_tokens in warmup_lengths(self.cfg):
                     p = warmup_params(self.cfg, max_tokens)
@@ -596,7 +598,8 @@ class Batcher:
                 with self.cond:
                     self.stats["warmup_error"] = f"{type(e).__name__}: {e}"
             finally:
-                self.gen.programs.resize(max(bound, len(self.gen.programs) + WARMUP_HEADROOM))
+                for c, bound in zip(caches, bounds):
+                    c.resize(max(bound, len(c) + WARMUP_HEADROOM))
             log.info("warmup: %d programs in %.1fs", self.stats["warmup_programs"], time.perf_counter() - t)
         self.ready.set()
         while not self._stop:

@@ -212,6 +212,7 @@ class _HeldGenerator:
         self.model = types.SimpleNamespace(config=config)
         self.calls, self.go, self.busy = [], threading.Event(), threading.Event()
         self.programs = ProgramCache(2)  # one "program" per call (generate): a bound warmup exceeds
+        self.movers = ProgramCache(2)
 
     def generate(self, prompts, params, observer=None, templates=None):
         self.calls.append([[int(t) for t in p] for p in prompts])
