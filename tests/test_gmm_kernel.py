@@ -88,6 +88,19 @@ def test_gmm_whole_dim_blocks_and_default_block_sizes():
     _check(got, gmm_reference(lhs, rhs, gs), sizes, M, rel=1e-5)
 
 
+@pytest.mark.parametrize("K,N", [(192, 384), (256, 192)])
+def test_gmm_default_blocks_fit_dims_128_does_not_divide(K, N):
+    """An expert FFN of 768 split over 4 devices (SDAR-30B-A3B, model=4) is 192 wide: the default
+    blocks take the whole 192 (128 does not divide it) and 128 elsewhere; given blocks that do not
+    divide still raise (test_gmm_validation_errors)."""
+    from pallas_kernels.moe.gmm import default_block_sizes
+    assert default_block_sizes(K, N) == GmmBlockSizes(128, 128 if K % 128 == 0 else K, 128 if N % 128 == 0 else N)
+    sizes, M = [5, 0, 11], 16
+    lhs, rhs, gs = _inputs(3, sizes, M, K, N, jnp.float32)
+    got = gmm(lhs, rhs, gs, interpret=True, poison_output=True)
+    _check(got, gmm_reference(lhs, rhs, gs), sizes, M, rel=1e-5)
+
+
 @pytest.mark.smoke
 def test_group_metadata_visits_every_tile_once_per_group():
     """Schedule invariants, on many random group sizes: each row tile is visited (consecutively)

@@ -92,10 +92,11 @@ def test_attention_kernel_compiles_at_every_lowering_shape():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
-def test_grouped_matmul_compiles(kind):
+@pytest.mark.parametrize("kind,F", [(None, 1024), ("int8", 1024), ("fp8", 1024), (None, 192), ("fp8", 192)])
+def test_grouped_matmul_compiles(kind, F):
     """The SwiGLU expert GMM at LLaDA-MoE-7B-A1B sizes (E 64, D 2048, F 1024, 384 rows) compiles
-    with Mosaic for one v5e chip with bf16, int8 and fp8 experts (three kernel calls)."""
+    with Mosaic for one v5e chip with bf16, int8 and fp8 experts (three kernel calls); and at F 192,
+    SDAR-30B-A3B's expert FFN (768) split over model=4, where 128-wide blocks do not divide F."""
     import jax
     import jax.numpy as jnp
 
@@ -103,7 +104,7 @@ def test_grouped_matmul_compiles(kind):
     from dinfer_jax.models import quant
     from pallas_kernels.moe.gmm import swiglu_experts_gmm
     one = jax.sharding.SingleDeviceSharding(plan.get_topology("v5e:1x1").devices[0])
-    E, D, F, R = 64, 2048, 1024, 384
+    E, D, R = 64, 2048, 384
     ws = {f"mlp/{n}": jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=one)
           for n, s in (("gate_proj", (E, D, F)), ("up_proj", (E, D, F)), ("down_proj", (E, F, D)))}
     if kind is not None:

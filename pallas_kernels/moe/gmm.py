@@ -32,6 +32,7 @@ Block-size rules (checked in `validate`; Mosaic's (8, 128) tiling of the last tw
   output); shrunk to M rounded up to that multiple when M is smaller.
 - block_k, block_n: a block equal to the whole dim (K or N) is always allowed; otherwise it must
   be a multiple of 128 and divide K (resp. N). A block larger than the dim is shrunk to the dim.
+  Without block_sizes, `default_block_sizes` picks 128 where it divides, else the whole dim.
 - The same rules are enforced in interpret mode, so a configuration that passes the CPU tests
   has TPU-legal block shapes.
 
@@ -104,8 +105,16 @@ def _fit(block: int, dim: int, what: str, letter: str) -> int:
     return b
 
 
-def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dtype, rhs_scale=None):
-    """Clear errors for inputs the kernel does not support. Returns the effective (tm, tk, tn)."""
+def default_block_sizes(K: int, N: int) -> GmmBlockSizes:
+    """GmmBlockSizes() fitted to K and N: a 128 block where it divides the dim, else the whole dim
+    (an expert FFN of 768 split over 4 devices gives 192: one 192-wide tile, not an error)."""
+    fit = lambda d: _LANES if d % _LANES == 0 else d  # noqa: E731
+    return GmmBlockSizes(block_k=fit(K), block_n=fit(N))
+
+
+def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes | None, out_dtype, rhs_scale=None):
+    """Clear errors for inputs the kernel does not support. Returns the effective (tm, tk, tn)
+    (block_sizes None: `default_block_sizes`; given ones are checked as they are)."""
     if lhs_MK.ndim != 2:
         raise ValueError(f"gmm: lhs must be 2-D (M, K), got shape {tuple(lhs_MK.shape)}")
     if rhs_GKN.ndim != 3:
@@ -139,6 +148,7 @@ def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes, out_dty
         raise ValueError(f"gmm: a quantized {rhs_GKN.dtype} rhs needs its rhs_scale")
     elif lhs_MK.dtype != rhs_GKN.dtype:
         raise ValueError(f"gmm: lhs and rhs dtypes differ ({lhs_MK.dtype} vs {rhs_GKN.dtype}); cast one")
+    block_sizes = default_block_sizes(K, N) if block_sizes is None else block_sizes
     block_sizes.validate()
     sub = max(_sublanes(lhs_MK.dtype), _sublanes(out_dtype))
     if block_sizes.block_m % sub:
@@ -268,7 +278,6 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, rhs_scale=None, block_sizes: GmmBlock
     run it). poison_output (tests): the output buffer starts as NaN (aliased input), so a tile
     the kernel fails to write shows up as NaN.
     """
-    block_sizes = block_sizes or GmmBlockSizes()
     out_dtype = jnp.dtype(lhs_MK.dtype if preferred_element_type is None else preferred_element_type)
     tm, tk, tn = validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes, out_dtype, rhs_scale)
     quant = None if rhs_scale is None else _QUANT_DTYPES[jnp.dtype(rhs_GKN.dtype)]
