@@ -500,15 +500,15 @@ def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = 
         prepared.sort(key=lambda p: -p.predicted()["tokens_per_s"])
     rows, plans = [], []
     for p in prepared:
-        skip = None
+        skip = None  # (fits, reason) of a mesh left uncompiled
         if not every_mesh and any(q.fits for q in plans):
-            skip = "not compiled: a mesh with a better floor fits"
+            skip = None, "not compiled: a mesh with a better floor fits"
         elif not every_mesh and p.param_bytes > topo.hbm_bytes_per_device:
-            skip = (f"not compiled: the param shard alone is {p.param_bytes / GiB:.2f} GiB per chip "
-                    f"(HBM {topo.hbm_bytes_per_device / GiB:.2f} GiB)")
+            skip = False, (f"not compiled: the param shard alone is {p.param_bytes / GiB:.2f} GiB per chip "
+                           f"(HBM {topo.hbm_bytes_per_device / GiB:.2f} GiB)")
         if skip:
-            rows.append({"mesh": p.mesh, "total": None, "fits": False if "alone" in skip else None,
-                         "tokens_per_s": p.predicted()["tokens_per_s"], "compile_seconds": None, "reason": skip})
+            rows.append({"mesh": p.mesh, "total": None, "fits": skip[0], "tokens_per_s": p.predicted()["tokens_per_s"],
+                         "compile_seconds": None, "reason": skip[1]})
             continue
         try:
             p.compile()
@@ -538,11 +538,6 @@ def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = 
         out["reason"] = (f"needs {out['per_chip_bytes']['total'] / GiB:.2f} GiB per chip on the smallest mesh "
                          f"({_mesh_text(best.mesh)}), the chip has {topo.hbm_bytes_per_device / GiB:.2f} GiB")
     return out
-
-
-def _mesh_dict(topo: Topology, spec) -> dict:
-    mesh = topology_mesh(topo, spec)
-    return {a: mesh.shape[a] for a in shd.MESH_AXES}
 
 
 def _largest_batch(cfg, topo: Topology, p: Plan, **kw) -> int:

@@ -76,8 +76,7 @@ class ProgramCache:
             raise ValueError(f"max_programs={max_programs} must be >= 1")
         with self._lock:
             self.max_programs = max_programs
-            while len(self._items) > self.max_programs:
-                self._drop(next(iter(self._items)))
+            self._trim_count(keep=None)
 
     def __contains__(self, key) -> bool:
         with self._lock:
@@ -101,9 +100,13 @@ class ProgramCache:
         if self.on_evict is not None:
             self.on_evict(key)
 
-    def _trim(self, keep):
+    def _trim_count(self, keep):
+        """Drop least recently used entries (never `keep`) down to the count bound."""
         while len(self._items) > self.max_programs:
             self._drop(next(k for k in self._items if k != keep))
+
+    def _trim(self, keep):
+        self._trim_count(keep)
         if len(self._items) > 1 and maps_near_limit(self.map_fraction):
             while len(self._items) > 1:
                 self._drop(next(k for k in self._items if k != keep))
