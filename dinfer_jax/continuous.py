@@ -10,9 +10,10 @@ at the next segment boundary instead of after the whole batch.
 Programs: one RunningBatch per (DecodeSpec with the gen length bucketed to a power-of-two number
 of blocks, prompt bucket: `prompt_bucket`, batch size) in flight; a row decodes its own gen_length
 inside the program's region (max_tokens 16, 24 and 32 with block 8 share one program of 32),
-exactly as alone, at most `max_programs` at once, stepped round robin. A new batch takes the
-largest gen length running with the same settings (rows of every length then share one program),
-and its size is the power of two covering the waiting rows that join it plus the rows already
+exactly as alone, at most `max_programs` at once, stepped round robin. A job joins a batch whose
+programs are compiled before one still compiling (it never waits for a compile a ready program
+makes unnecessary: `_place`); a new batch takes the largest gen length running with the same
+settings (rows of every length then share one program), and its size is the power of two covering the waiting rows that join it plus the rows already
 running its program (at most max_batch): a lone request decodes in a batch of one (as fast as the
 static scheduler), a loaded program grows. When a program's batches drain, their rows move into
 one smaller batch, and several batches of one program merge into one (`repack_size`,
@@ -161,8 +162,16 @@ class ContinuousBatcher(Batcher):
 
     def _running_batch(self, params, size, max_prompt_len, gen_length=None):
         """An empty RunningBatch for prompts up to max_prompt_len, built for their prompt bucket."""
+        return self.gen.running_batch(params, size, *self._bucketed(params, max_prompt_len, gen_length))
+
+    def _bucketed(self, params, max_prompt_len, gen_length):
         head_room = params.spec_for(self.gen.model.config).head_room
-        return self.gen.running_batch(params, size, prompt_bucket(max_prompt_len + head_room) - head_room, gen_length)
+        return prompt_bucket(max_prompt_len + head_room) - head_room, gen_length
+
+    def _ready_new(self, params, size, max_prompt_len, gen_length) -> bool:
+        """Whether a new batch of these would run at once (its programs compiled; builds nothing)."""
+        key = self.gen.running_batch_key(params, size, *self._bucketed(params, max_prompt_len, gen_length))
+        return self.gen.segment_programs_ready(*key)
 
     def _new_batch(self, params, size, max_prompt_len, gen_length=None):
         return self._adopt(self._running_batch(params, size, max_prompt_len, gen_length))
@@ -243,25 +252,38 @@ class ContinuousBatcher(Batcher):
         return list(plan.values()), bad
 
     def _place(self, j, free: dict, new_batches: list):
-        """The batch job j joins: a running one with a free slot, else a new one (when fewer than
-        max_programs exist), else None (it waits). A new batch is sized for the rows that will use
-        its program: the waiting jobs that join it plus the rows already running that program
-        (under load batches grow; a lone request gets a batch of one)."""
+        """The batch job j joins, or None (it waits). In order: a batch with a free slot whose programs
+        are compiled; a new one (when fewer than max_programs exist) that is compiled, for the largest
+        gen region running with these settings (rows of every length then share one program: a
+        forward per program), else for the job's own; a batch with a free slot still compiling (the
+        job waits beside it); a new one to compile, for the largest region. So a job never waits for
+        a compile that a ready program of its settings makes unnecessary. A new batch is sized for
+        the rows that will use its program: the waiting jobs that join it plus the rows already
+        running that program (under load batches grow; a lone request gets a batch of one)."""
         n = len(j.prompt_ids)
         fits = [rb for rb in self.batches + new_batches if rb.accepts(j.key) and rb.fits(n) and free[id(rb)] > 0]
-        if not fits and len(self.batches) + len(new_batches) < self.max_programs:
-            # rows of any gen_length up to the program's share it: the largest running program of
-            # these settings, so that rows of every length keep sharing one (a forward per program)
-            glen = max([bucket_gen_length(j.key)] + [rb.spec.gen_length for rb in self.batches + new_batches
-                                                      if same_program(j.key, rb.spec)])
-            prog = program_spec(j.key, glen)
-            same = [k for k in [j] + list(self.pending) if same_program(k.key, prog)]
-            running = sum(rb.running for rb in self.batches if rb.spec == prog)
-            size = min(self.cfg.max_batch, _pow2(len(same) + running))
-            rb = self._new_batch(j.params, size, max(len(k.prompt_ids) for k in same), glen)
-            new_batches.append(rb)
-            free[id(rb)] = rb.B
-            fits = [rb]
+        ready = [rb for rb in fits if rb.compiling is None or rb.compiling.done()]
+        if ready:
+            return min(ready, key=lambda r: r.gen_start)
+        if len(self.batches) + len(new_batches) < self.max_programs:
+            own = bucket_gen_length(j.key)
+            largest = max([own] + [rb.spec.gen_length for rb in self.batches + new_batches
+                                   if same_program(j.key, rb.spec)])
+            candidates = []
+            for glen in dict.fromkeys((largest, own)):
+                prog = program_spec(j.key, glen)
+                same = [k for k in [j] + list(self.pending) if same_program(k.key, prog)]
+                running = sum(rb.running for rb in self.batches if rb.spec == prog)
+                size = min(self.cfg.max_batch, _pow2(len(same) + running))
+                candidates.append((size, max(len(k.prompt_ids) for k in same), glen))
+            pick = next((c for c in candidates if self._ready_new(j.params, *c)), None)
+            if pick is None and not fits:
+                pick = candidates[0]
+            if pick is not None:
+                rb = self._new_batch(j.params, *pick)
+                new_batches.append(rb)
+                free[id(rb)] = rb.B
+                return rb
         return min(fits, key=lambda r: r.gen_start) if fits else None
 
     def _has_work(self) -> bool:

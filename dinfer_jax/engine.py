@@ -568,11 +568,16 @@ class Generator:
         row). gen_length: the program's generation region (default params.gen_length); rows of any
         gen_length up to it may join."""
         from dinfer_jax.decoding.segments import RunningBatch
-        cfg = self.model.config
-        spec = params.spec_for(cfg)
+        return RunningBatch(self, *self.running_batch_key(params, batch, max_prompt_len, gen_length))
+
+    def running_batch_key(self, params: SamplingParams, batch: int, max_prompt_len: int,
+                          gen_length: int | None = None) -> tuple:
+        """(spec, gen_start, batch) of the batch `running_batch` would build (builds nothing):
+        `segment_programs_ready(*key)` says whether its programs are compiled."""
+        spec = params.spec_for(self.model.config)
         if gen_length is not None:
             spec = program_spec(spec, gen_length)
-        return RunningBatch(self, spec, _bucket_len(max_prompt_len + spec.head_room), batch)
+        return spec, _bucket_len(max_prompt_len + spec.head_room), batch
 
     def lower(self, prompts, params: SamplingParams, observe: bool = False):
         """The lowered program for these prompts (for inspection: HLO, while ops, callbacks)."""

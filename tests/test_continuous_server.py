@@ -175,6 +175,63 @@ def test_a_new_programs_compile_never_stalls_running_rows():
     assert got["token_ids"] == want
 
 
+def test_a_job_never_waits_for_a_compile_that_a_ready_program_makes_unnecessary():
+    """Rows of any length share the largest program of their settings, but not while it compiles: a
+    gen-16 job arriving while a gen-40 job's program (a region of 64) compiles (held here by a gate)
+    starts at once in a new batch of its own compiled region and answers as the engine does."""
+    import asyncio
+    import threading
+
+    from demo_helpers import demo as load
+
+    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.engine import SamplingParams
+    from dinfer_jax.server import Job, ServerConfig
+    model, tok = load()
+    gen = model.generator
+    short = SamplingParams(gen_length=16, block_length=8, cache="dual", threshold=0.8)
+    longer = SamplingParams(gen_length=40, block_length=8, cache="dual", threshold=0.8)
+    mask, eos = model.config.mask_token_id, model.config.eos_id
+    gate, held = threading.Event(), []
+    original = gen.warm_segment_programs
+
+    def gated(spec, *a, **k):
+        if spec.gen_length > 16:
+            held.append(spec.gen_length)
+            assert gate.wait(300)
+        return original(spec, *a, **k)
+    gen.warm_segment_programs = gated
+    b = ContinuousBatcher(gen, tok, ServerConfig(model_name="demo", max_batch=4), segment=2)
+    prompt = tok.encode("copy abc=")
+    original(*gen.running_batch_key(short, 1, *b._bucketed(short, len(prompt), 16)))  # the short program: warm
+    assert b._ready_new(short, 1, len(prompt), 16)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        big = Job(tok.encode("sort 5391="), longer, 40, loop, loop.create_future(), longer.spec(mask, eos))
+        b.submit_all([big])
+        for _ in range(30000):
+            if b.snapshot()["waiting_for_compile"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        small = Job(prompt, short, 16, loop, loop.create_future(), short.spec(mask, eos))
+        b.submit_all([small])
+        got = await asyncio.wait_for(small.future, 120)  # the gate still holds the big one's compile
+        assert not big.future.done() and held == [64]
+        gate.set()
+        return got, await asyncio.wait_for(big.future, 600)
+
+    try:
+        got, _ = asyncio.run(go())
+        s = b.snapshot()
+    finally:
+        gate.set()
+        b.close()
+        del gen.warm_segment_programs
+    assert s["failed"] == 0
+    assert got["token_ids"] == gen.generate([np.asarray(prompt, np.int32)], short).token_ids[0]
+
+
 def test_a_drained_batch_moves_its_rows_into_a_smaller_one():
     """Four rows of one program start together in a batch of 4; three end after 24 iterations, and
     the last row moves into a batch of 1 (compiled in the background first) instead of costing 4
