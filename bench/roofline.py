@@ -55,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.bench_loop import median_time  # noqa: E402
+from dinfer_jax.cache import cache_shape, merge_heads  # noqa: E402
 from dinfer_jax.config import ModelConfig  # noqa: E402
 from dinfer_jax.families import preset  # noqa: E402
 from dinfer_jax.engine import PROMPT_BUCKET  # noqa: E402
@@ -299,7 +300,7 @@ def xla_cost(cfg: ModelConfig, kind: str, batch: int, prompt_len: int, gen_len: 
     f = forward_fn(module, kind_window_args(kind, gs, Lc, block, prefix_look, after_look), batch, Lc, gs,
                    prompt_len, block)
     canvas = jax.ShapeDtypeStruct((batch, Lc), jnp.int32)
-    kv_shape = jax.ShapeDtypeStruct((cfg.num_layers, batch, Lc, cfg.num_kv_heads, cfg.head_dim), dtype)
+    kv_shape = jax.ShapeDtypeStruct(cache_shape(cfg.num_layers, batch, Lc, cfg.num_kv_heads, cfg.head_dim), dtype)
     kv = None if kind == "full" else (kv_shape, kv_shape)
     ca = cost_analysis_dict(jax.jit(f).lower(params, canvas, kv).compile())
     return dict(flops=float(ca.get("flops", float("nan"))), bytes=float(ca.get("bytes accessed", float("nan"))),
@@ -438,7 +439,8 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     out = {}
     f = jax.jit(lambda p, x, kv: attn.apply({"params": p}, x, pos, km, kv=kv if cached else None,
                                             window_start=L - q if cached else None)[0])
-    out["attention block"] = median_time(lambda: f(layer0["attn"], x, kvc), repeats)
+    kv_layer = tuple(merge_heads(t) for t in kvc)  # a layer's cache as it is stored: (B, L, K*H)
+    out["attention block"] = median_time(lambda: f(layer0["attn"], x, kv_layer), repeats)
     qq = jax.random.normal(ks[3], (B, q, N, H), dtype)
     core = jax.jit(lambda a, b, v: attention(a, b, v, km, impl=attention_impl))
     out["attention core"] = median_time(lambda: core(qq, *kvc), repeats)

@@ -26,14 +26,17 @@ import jax.extend  # noqa: F401  (jax.extend.core.{Jaxpr, ClosedJaxpr} for the j
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.cache import cache_shape
 from dinfer_jax.config import ModelConfig
 
 # Custom-call targets of the hardware kernels in exported StableHLO.
 MOSAIC_TPU = "tpu_custom_call"
 TRITON = "__gpu$xla.gpu.triton"
-# jax.export refuses custom calls without a compatibility guarantee; the Triton call is one. This
-# is the only safety check disabled, and only for GPU exports.
+# jax.export refuses custom calls without a compatibility guarantee. The only safety checks
+# disabled: the Triton call's, for GPU exports, and the KV cache's layout pin's (cache.row_major,
+# an XLA layout hint), for TPU exports.
 TRITON_DISABLED_CHECK = TRITON
+LAYOUT_PIN = "LayoutConstraint"
 GPU_DEVICE_KIND = "NVIDIA H100"  # the abstract GPU newer jax asks for when lowering Triton off-GPU
 EXPORT_PLATFORMS = ("tpu", "cuda", "rocm", "cpu")
 
@@ -139,7 +142,9 @@ def _export(prog, sds, platform: str, mesh, sampling, canvas_shape, static=()) -
     """jax.export one jitted program (abstract args `sds`, then the `static` ones) for `platform`."""
     from jax import export
     gpu = platform in ("cuda", "rocm")
-    checks = [export.DisabledSafetyCheck.custom_call(TRITON_DISABLED_CHECK)] if gpu else []
+    # Triton calls and (TPU) the cache's layout pin (cache.row_major) have no stability guarantee
+    unstable = {"cuda": TRITON_DISABLED_CHECK, "rocm": TRITON_DISABLED_CHECK, "tpu": LAYOUT_PIN}.get(platform)
+    checks = [export.DisabledSafetyCheck.custom_call(unstable)] if unstable else []
     with gpu_target(mesh=mesh) if gpu else contextlib.nullcontext():
         t = time.perf_counter()
         exp = export.export(prog, platforms=[platform], disabled_checks=checks)(*sds, *static)
@@ -176,7 +181,7 @@ def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix
     if prefix_width is not None:
         if spec.cache != "block":
             raise ValueError("the prefix prefill exists for block diffusion (cache='block') only")
-        kv = sd((cfg.num_layers, batch, gen_start, cfg.num_kv_heads, cfg.head_dim), model.module.dtype,
+        kv = sd(cache_shape(cfg.num_layers, batch, gen_start, cfg.num_kv_heads, cfg.head_dim), model.module.dtype,
                 sharding=model.replicated())
         out["init_prefix"] = (init_prefix, args + ((kv, kv),), (prefix_width,))
     return out

@@ -1,7 +1,10 @@
 """KV cache for bidirectional dLLMs and per-row window read/write ops.
 
-The cache is the pair (k, v), each (layers, B, L, K, H): K/V of every canvas position from the
-last full refresh. Window forwards read it and write their fresh window K/V into a *copy* used
+The cache is the pair (k, v), each (layers, B, L, K*H): K/V of every canvas position from the
+last full refresh, heads and head dim merged into one minor dim. That is the layout the attention
+kernel reads ((B, L, K*H) per layer, no relayout); stored as (.., K, H) with a small K, XLA:TPU
+tiles K as the second-minor dim and relays the whole cache out inside the decoding loop
+(docs/accelerators.md, "KV-cache layout"). Window forwards read it and write their fresh window K/V into a *copy* used
 for that forward only (dInfer semantics: only full refreshes persist).
 
 Windows are per row: row b's window is [start_b, start_b + S) with a static S and a traced start.
@@ -38,6 +41,37 @@ def window_write(full_BL, new_BS, starts_B, write_BS=None):
     return jax.vmap(one)(full_BL, new_BS, starts_B)
 
 
+def cache_shape(num_layers: int, batch: int, length: int, kv_heads: int, head_dim: int) -> tuple:
+    """The shape of k (and of v) in the cache: (layers, B, L, K*H)."""
+    return num_layers, batch, length, kv_heads * head_dim
+
+
 def empty_cache(num_layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype):
-    shape = (num_layers, batch, length, kv_heads, head_dim)
+    """Zero (k, v), each `cache_shape`."""
+    shape = cache_shape(num_layers, batch, length, kv_heads, head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def row_major(x):
+    """x pinned to the row-major layout (the cache's: the attention kernel reads it so). Without the
+    pin, XLA:TPU may pick another layout for a layer's fresh K/V (e.g. L minor) and relay out the
+    whole stacked cache inside the loop to match. Used for TPU targets only: elsewhere row-major is
+    the default already, and jax.export does not list the pin's custom call (LayoutConstraint) as
+    stable (dinfer_jax/aot.py allows it for TPU exports)."""
+    from jax.experimental.layout import Layout, with_layout_constraint
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
+
+
+def per_row(mask_B):
+    """A (B,) row mask shaped to broadcast over a cache's (layers, B, L, K*H) k or v."""
+    return mask_B[None, :, None, None]
+
+
+def merge_heads(x_BLKH):
+    """(B, L, K, H) -> (B, L, K*H): a layer's K or V as the cache stores it."""
+    return x_BLKH.reshape(*x_BLKH.shape[:-2], x_BLKH.shape[-2] * x_BLKH.shape[-1])
+
+
+def split_heads(x_BLF, kv_heads: int):
+    """(B, L, K*H) -> (B, L, K, H)."""
+    return x_BLF.reshape(*x_BLF.shape[:-1], kv_heads, x_BLF.shape[-1] // kv_heads)

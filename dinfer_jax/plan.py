@@ -263,16 +263,16 @@ def host_callbacks(instrs: list[Instr], in_loop_only: bool = True) -> int:
 
 
 def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int) -> list[Instr]:
-    """Copies inside a loop whose result is KV-cache shaped: dims holding the canvas length, the kv
-    heads and the head dim, at least one layer's K (or V) shard in elements. Only `copy` ops outside
-    fusions (relayouts that materialise a buffer); async copy-start / copy-done are memory-space
-    prefetches and evictions that XLA's memory space assignment schedules, not a second cache."""
-    out = []
-    for i in instrs:
-        if i.in_loop and i.opcode == "copy" and not i.computation.startswith("fused_") and any(
-                math.prod(d) >= layer_elems and {canvas, head_dim} <= set(d) and kv_heads in d for d in i.dims):
-            out.append(i)
-    return out
+    """Copies inside a loop whose result is KV-cache shaped: dims holding the canvas length and either
+    the merged kv_heads*head_dim (the cache's own layout) or both separately, at least one layer's K
+    (or V) shard in elements. Only `copy` ops outside fusions (relayouts that materialise a buffer);
+    async copy-start / copy-done are memory-space prefetches and evictions that XLA's memory space
+    assignment schedules, not a second cache."""
+    def kv_shaped(d):
+        return math.prod(d) >= layer_elems and canvas in d and (
+            kv_heads * head_dim in d or (head_dim in d and kv_heads in d))
+    return [i for i in instrs if i.in_loop and i.opcode == "copy" and not i.computation.startswith("fused_")
+            and any(kv_shaped(d) for d in i.dims)]
 
 
 def largest(instrs: list[Instr], opcodes: tuple, in_loop_only: bool = False) -> int:
@@ -425,7 +425,7 @@ class Plan:
 
 
 def _kv_bytes(cfg: ModelConfig, model, sampling: SamplingParams, batch: int, canvas: int) -> int:
-    """Per-device bytes of the K and V caches (layers, B, L, K, H) the program keeps; 0 for cache none."""
+    """Per-device bytes of the K and V caches (layers, B, L, K*H) the program keeps; 0 for cache none."""
     if sampling.cache == "none":
         return 0
     mesh = model.mesh

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from block_decoding_reference import reference_block_generate, reference_indel_generate
 
+from dinfer_jax.cache import cache_shape
 from dinfer_jax.families import preset
 from dinfer_jax.decoding.block_loop import block_decide, indel_rebuild, indel_step
 from dinfer_jax.engine import SamplingParams, generate
@@ -113,7 +114,8 @@ def test_prefill_and_commit_windows_are_exact(model):
     full, _ = m.apply({"params": p}, ids)
     pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
     _, kv_pre = m.apply({"params": p}, ids[:, :16])
-    kv = tuple(jnp.zeros((CFG.num_layers, 2, 40, CFG.num_kv_heads, CFG.head_dim)).at[:, :, :16].set(t) for t in kv_pre)
+    kv = tuple(jnp.zeros(cache_shape(CFG.num_layers, 2, 40, CFG.num_kv_heads, CFG.head_dim)).at[:, :, :16].set(t)
+               for t in kv_pre)
     win, kv2 = m.apply({"params": p}, ids[:, 16:32], positions_BS=pos[:, 16:32], kv=kv, window_start=16,
                        key_positions_BL=pos)
     rel = float(jnp.abs(win[:, 8:] - full[:, 24:32]).max() / jnp.abs(full).max())

@@ -5,7 +5,8 @@ in memory), with the hardware kernels chosen by the target platform, not by this
 
 Each export must contain the hardware kernel custom calls and no Pallas kernel left to the
 interpreter (checked on the traced jaxpr: every pallas_call's `interpret` flag). The only export
-safety check disabled is the one for the Triton custom call (dinfer_jax.aot.TRITON_DISABLED_CHECK).
+safety checks disabled are the Triton custom call's for CUDA (dinfer_jax.aot.TRITON_DISABLED_CHECK)
+and the KV cache's layout pin's for TPU (dinfer_jax.aot.LAYOUT_PIN, dinfer_jax/cache.row_major).
 Matrix: MODELS x {tpu, cuda} x cache {none, prefix, dual, vicinity, block (LLaDA2 only)} x batch
 {1, 16}, prompt 64, gen 128, block 64 (LLaDA2: 32, its attention block), bf16, one device; plus one long canvas per model (prompt 3968 ->
 L 4160 on TPU). Kernel-level shapes beyond the models' (GQA 16/4, H 64, L 32k, block-causal) are

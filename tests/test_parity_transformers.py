@@ -68,7 +68,7 @@ def test_embeddings_input_and_window_forward_with_kv(pair, rng):
     ids = jnp.asarray(rng.randint(0, cfg.vocab_size, (2, 16)))
     apply = lambda **kw: model.module.apply({"params": model.params}, **kw)  # noqa: E731
     full, (k, v) = apply(tokens_BS=ids)
-    assert k.shape == (cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim) == v.shape
+    assert k.shape == (cfg.num_layers, 2, 16, cfg.num_kv_heads * cfg.head_dim) == v.shape  # (layers, B, L, K*H)
     emb = model.module.apply({"params": model.params}, ids, method="embed_tokens")
     from_emb, _ = apply(embeds_BSD=emb)
     np.testing.assert_allclose(np.asarray(from_emb), np.asarray(full), rtol=0, atol=1e-5)

@@ -12,9 +12,9 @@ from dinfer_jax.engine import SamplingParams, generate
 
 
 def _canvas(values, n=4):
-    """A (k, v) canvas cache (layers 2, batch 1, len(values) blocks of n, K 1, H 2) whose block i
-    holds values[i]; one block = 2 * 2 * n * 1 * 2 * 4 bytes = 128 (k and v)."""
-    a = jnp.repeat(jnp.asarray(values, jnp.float32), n)[None, None, :, None, None] * jnp.ones((2, 1, 1, 1, 2))
+    """A (k, v) canvas cache (layers 2, batch 1, len(values) blocks of n, K*H 2) whose block i
+    holds values[i]; one block = 2 * 2 * n * 2 * 4 bytes = 128 (k and v)."""
+    a = jnp.repeat(jnp.asarray(values, jnp.float32), n)[None, None, :, None] * jnp.ones((2, 1, 1, 2))
     return a, -a
 
 
@@ -40,7 +40,7 @@ def test_lru_budget_and_ancestors_outlive_descendants():
     slots = pc.lookup(ka)
     assert len(slots) == 2
     placed = pc.place(slots + pc.lookup(kb), [0, 0, 0], [0, 4, 8], 1, 12)  # a0, a1, b0 laid out again
-    np.testing.assert_array_equal(np.asarray(placed[0][0, 0, :, 0, 0]), [0.0] * 4 + [1.0] * 4 + [9.0] * 4)
+    np.testing.assert_array_equal(np.asarray(placed[0][0, 0, :, 0]), [0.0] * 4 + [1.0] * 4 + [9.0] * 4)
     np.testing.assert_array_equal(np.asarray(placed[1]), -np.asarray(placed[0]))
     s = pc.snapshot()
     assert s["blocks_looked_up"] == 7 and s["blocks_hit"] == 6 and s["hit_rate"] == round(6 / 7, 4)

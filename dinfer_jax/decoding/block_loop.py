@@ -118,7 +118,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.cache import empty_cache, window_slice, window_write
+from dinfer_jax.cache import empty_cache, per_row, window_slice, window_write
 from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.observe import emit
 from dinfer_jax.decoding.row_state import commit_record, commit_record_init, row_gen_end
@@ -456,7 +456,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                     return logits, kv_in
                 # The commit window persists (its previous block is clean, so those K/V are final);
                 # with the sub-block DualCache the whole-block window persists too (the block cache).
-                return logits, tuple(jnp.where(persist[None, :, None, None, None], a, b)
+                return logits, tuple(jnp.where(per_row(persist), a, b)
                                      for a, b in zip(kv_new, kv_in))
             return run
 

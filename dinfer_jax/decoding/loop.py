@@ -50,7 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.cache import empty_cache, window_slice, window_write
+from dinfer_jax.cache import empty_cache, per_row, window_slice, window_write
 from dinfer_jax.decoding import strategies as st
 from dinfer_jax.decoding.block_loop import block_loop_functions
 from dinfer_jax.decoding.constraint import constrain_logits
@@ -355,13 +355,13 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         def full(_):
             logits, kv, soft_new = forward_full(None)
             if spec.cache != "none":  # refreshed rows take the new K/V; the others keep theirs
-                sel = need_full[None, :, None, None, None]
+                sel = per_row(need_full)
                 kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv, s["kv"]))
             return logits, kv, soft_new
 
         def some_full(R, _):  # at most R rows need it: gather R rows (need_full rows first)
             rows = jnp.argsort(~need_full, stable=True)[:R]
-            take_R = need_full[rows][None, :, None, None, None]
+            take_R = per_row(need_full[rows])
             logits_R, kv_R, soft_R = forward_full(rows)
             logits = jnp.zeros((B, Bk, V), jnp.float32).at[rows].set(logits_R.astype(jnp.float32))
             kv = tuple(c.at[:, rows].set(jnp.where(take_R, a, c[:, rows])) for a, c in zip(kv_R, s["kv"]))

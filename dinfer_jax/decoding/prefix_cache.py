@@ -13,7 +13,7 @@ token's K/V depend on the request's own generated tokens; a cached copy from ano
 not the K/V this request would compute (the dual cache refreshes them at every block for that
 reason).
 
-Store: a device-resident pool of block slots, (slots, layers, B_len, K, H) for k and for v, sized
+Store: a device-resident pool of block slots, (slots, layers, B_len, K*H) for k and for v, sized
 by the byte budget and allocated on first use; an entry is a slot, keyed by a hash chain over the
 prompt's blocks (key_k = H(key_{k-1}, tokens of block k), seeded by the block length), so a key
 names the whole prefix up to that block. Lookup walks the chain from block 0 and stops at the first
@@ -57,7 +57,7 @@ class PrefixCache:
         self._slot: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> pool slot, LRU first
         self._free: list[int] = []
         self._lock = threading.Lock()
-        self.pool = None  # (k, v) each (slots, layers, B_len, K, H), allocated on the first insert
+        self.pool = None  # (k, v) each (slots, layers, B_len, K*H), allocated on the first insert
         self.block_bytes = 0
         self.stats = dict(lookups=0, blocks_looked_up=0, blocks_hit=0, tokens_reused=0, blocks_inserted=0,
                           evictions=0, prefill_tokens=0, prefill_tokens_full=0)
@@ -92,18 +92,18 @@ class PrefixCache:
         return out
 
     def _allocate(self, kv, block: int):
-        L, _, _, K, H = kv[0].shape
-        self.block_bytes = 2 * L * block * K * H * kv[0].dtype.itemsize
+        L, _, _, F = kv[0].shape
+        self.block_bytes = 2 * L * block * F * kv[0].dtype.itemsize
         n = self.max_bytes // self.block_bytes
         if n == 0:
             return False
-        self.pool = tuple(jnp.zeros((n, L, block, K, H), kv[0].dtype) for _ in range(2))
+        self.pool = tuple(jnp.zeros((n, L, block, F), kv[0].dtype) for _ in range(2))
         self._free = list(range(n - 1, -1, -1))
         return True
 
     def insert(self, keys: list[bytes], kv, rows: list[int], starts: list[int], block: int):
         """Store the blocks kv[:, rows[i], starts[i]:starts[i] + block] (kv: the (k, v) canvas cache,
-        each (layers, B, L, K, H)) under keys[i]; keys already present are refreshed. Evicts LRU
+        each (layers, B, L, K*H)) under keys[i]; keys already present are refreshed. Evicts LRU
         entries to stay in budget."""
         if self.pool is None and not self._allocate(kv, block):
             return
@@ -131,7 +131,7 @@ class PrefixCache:
                                jnp.asarray(_pad_list(slots, N), jnp.int32))
 
     def place(self, slots: list[int], rows: list[int], starts: list[int], batch: int, length: int):
-        """Cached blocks laid out on a (layers, batch, length, K, H) canvas cache: pool slot slots[i]
+        """Cached blocks laid out on a (layers, batch, length, K*H) canvas cache: pool slot slots[i]
         at row rows[i], canvas [starts[i], starts[i] + block); zeros elsewhere."""
         N = _pow2_count(len(slots))
         a = lambda xs: jnp.asarray(_pad_list(list(xs), N), jnp.int32)
@@ -168,27 +168,27 @@ def _pad_list(xs: list, n: int) -> list:
     return xs + [xs[-1]] * (n - len(xs))
 
 
-def _store_impl(pool_k, pool_v, k_LBTKH, v_LBTKH, rows_N, starts_N, slots_N):
+def _store_impl(pool_k, pool_v, k_LBTF, v_LBTF, rows_N, starts_N, slots_N):
     """pool[slots_N[i]] = cache[:, rows_N[i], starts_N[i]:+block] for k and v (pool donated)."""
     block = pool_k.shape[2]
 
     def one(a, r, s):
-        return jax.lax.dynamic_slice(a, (0, r, s, 0, 0), (a.shape[0], 1, block, a.shape[3], a.shape[4]))[:, 0]
+        return jax.lax.dynamic_slice(a, (0, r, s, 0), (a.shape[0], 1, block, a.shape[3]))[:, 0]
     take = jax.vmap(one, in_axes=(None, 0, 0))
-    return (pool_k.at[slots_N].set(take(k_LBTKH, rows_N, starts_N).astype(pool_k.dtype)),
-            pool_v.at[slots_N].set(take(v_LBTKH, rows_N, starts_N).astype(pool_v.dtype)))
+    return (pool_k.at[slots_N].set(take(k_LBTF, rows_N, starts_N).astype(pool_k.dtype)),
+            pool_v.at[slots_N].set(take(v_LBTF, rows_N, starts_N).astype(pool_v.dtype)))
 
 
 _store = jax.jit(_store_impl, donate_argnums=(0, 1))
 
 
 def _place_impl(pool_k, pool_v, slots_N, rows_N, starts_N, batch, length):
-    _, L, S, K, H = pool_k.shape
-    zero = jnp.zeros((L, batch, length, K, H), pool_k.dtype)
+    _, L, S, F = pool_k.shape
+    zero = jnp.zeros((L, batch, length, F), pool_k.dtype)
 
     def body(i, kv):
         k, v = kv
-        at = (0, rows_N[i], starts_N[i], 0, 0)
+        at = (0, rows_N[i], starts_N[i], 0)
         return (jax.lax.dynamic_update_slice(k, pool_k[slots_N[i]][:, None], at),
                 jax.lax.dynamic_update_slice(v, pool_v[slots_N[i]][:, None], at))
     return jax.lax.fori_loop(0, slots_N.shape[0], body, (zero, zero))

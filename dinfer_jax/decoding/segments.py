@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.cache import cache_shape
 from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, same_program
 from dinfer_jax.decoding.row_state import record_region
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.sharding import to_host
 
-BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K, H) caches)
+BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K*H) caches)
 
 
 def merge_rows(state: dict, fresh: dict, take_B) -> dict:
@@ -309,7 +310,7 @@ class RunningBatch:
     def compile_prefix_prefill(self, width: int):
         """Compile (by running on zeros) the prefill over cached prompt K/V of this `width`."""
         cfg, put = self.cfg, self.gen.model.place_batch
-        shape = (cfg.num_layers, self.B, self.gen_start, cfg.num_kv_heads, cfg.head_dim)
+        shape = cache_shape(cfg.num_layers, self.B, self.gen_start, cfg.num_kv_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, self.gen.model.module.dtype)
         canvas = np.full((self.B, self.Lc), cfg.pad_id, np.int32)
         out = self._init_prefix(self.gen.model.params, put(canvas), put(self.pad), put(self.plen),

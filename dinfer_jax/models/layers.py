@@ -11,10 +11,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.cache import as_starts, window_write
+from dinfer_jax.cache import as_starts, merge_heads, row_major, split_heads, window_write
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import quant, stacked
-from pallas_kernels.attention import attention
+from pallas_kernels.attention import attention, target_platform
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -86,8 +86,9 @@ class Attention(nn.Module):
     per-head q/k RMSNorm, and RoPE.
 
     __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None,
-             key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLKH, v_BLKH)).
-    Without `kv`, keys/values are this call's own (L == S). With `kv` = full-length (k_BLKH, v_BLKH),
+             key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLF, v_BLF)), F = K*H (the cache's
+    layout, dinfer_jax/cache.py). Without `kv`, keys/values are this call's own (L == S). With `kv` =
+    full-length (k_BLF, v_BLF),
     row b's S fresh keys/values are written into a copy at [window_start_b, window_start_b + S)
     (only where kv_write_BS, if given) and the queries attend to all L.
     block_size > 0: block-causal mask over positions_BS (queries) and key_positions_BL (keys; by
@@ -121,17 +122,22 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
         q = rotary_embedding(q, positions_BS, c.rope_theta, c.rotary)
         k = rotary_embedding(k, positions_BS, c.rope_theta, c.rotary)
+        # the cache's layout (dinfer_jax/cache.py), pinned row-major for XLA:TPU (cache.row_major)
+        pin = row_major if target_platform(self.platform) == "tpu" else (lambda a: a)
+        k, v = merge_heads(pin(k)), merge_heads(pin(v))
         if kv is not None:
             k_full, v_full = kv
             starts = as_starts(window_start, x_BSD.shape[0])
             k = window_write(k_full, k, starts, kv_write_BS)
             v = window_write(v_full, v, starts, kv_write_BS)
+        k, v = pin(k), pin(v)
         with jax.named_scope("attention_core"):
             k_pos = positions_BS if key_positions_BL is None else key_positions_BL
             if block_size and k_pos.shape[1] != k.shape[1]:
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
-            o_BSNH = attention(q, k, v, key_mask_BL, q_pos_BS=positions_BS, k_pos_BL=k_pos, block_size=block_size,
-                               impl=self.attention_impl, platform=self.platform, **_shard_kw(self.mesh, k.shape))
+            o_BSNH = attention(q, split_heads(k, K), split_heads(v, K), key_mask_BL, q_pos_BS=positions_BS,
+                               k_pos_BL=k_pos, block_size=block_size, impl=self.attention_impl,
+                               platform=self.platform, **_shard_kw(self.mesh, (*k.shape[:2], K, H)))
         return stacked.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 

@@ -44,7 +44,14 @@ from dinfer_jax.sharding import constrain
 
 
 ACT_AXES = ("batch", "length", "embed")
-KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+
+
+def kv_axes(cfg: ModelConfig, mesh) -> tuple:
+    """Logical axes of a layer's cached (B, L, K*H) K or V: the merged dim splits over the model axis
+    by whole heads, so only when that axis divides K (else replicated, as sharding.LOGICAL_RULES
+    does for kv_heads)."""
+    whole_heads = mesh is None or cfg.num_kv_heads % mesh.shape["model"] == 0
+    return ("batch", "length", "kv_heads" if whole_heads else None)
 
 
 class DecoderLayer(nn.Module):
@@ -74,14 +81,14 @@ class DecoderLayer(nn.Module):
             y = MoE(c, self.moe_impl, self.dtype, self.mesh, self.platform, name="mlp")(m)
         else:
             y = MLP(c, self.dtype, name="mlp")(m)
-        new_kv = tuple(constrain(t, KV_AXES, self.mesh) for t in new_kv)
+        new_kv = tuple(constrain(t, kv_axes(c, self.mesh), self.mesh) for t in new_kv)
         return constrain(h + y, ACT_AXES, self.mesh), new_kv
 
 
 class Transformer(nn.Module):
     """__call__(tokens_BS | embeds_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None,
-    kv_write_BS=None, logits_window=None, key_positions_BL=None) -> (logits fp32, (k_LBLKH, v_LBLKH)),
-    leading L = all layers (dense_layers first).
+    kv_write_BS=None, logits_window=None, key_positions_BL=None) -> (logits fp32, (k_LBLF, v_LBLF)),
+    leading L = all layers (dense_layers first), F = K*H (the cache's layout, dinfer_jax/cache.py).
 
     Without `kv`, the S inputs are the whole sequence (L == S). With `kv` (per-layer full-length
     caches stacked over layers), the S inputs are per-row windows starting at `window_start`
