@@ -51,15 +51,16 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         b, a = r["before"], r["after"]
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
-        lines.append(f"| {r['preset']} | {r['topology']} | {mesh} | {b['kv_copies_in_loop']} ({b['kv_copy_bytes'] / MiB:.0f})"
-                     f" -> {a['kv_copies_in_loop']} ({a['kv_copy_bytes'] / MiB:.0f}) | {b['total'] / GiB:.2f} -> "
-                     f"{a['total'] / GiB:.2f} |")
+        lines.append(f"| {r['preset']} | {r['topology']} | {mesh} | {b['kv_copies_in_loop']} "
+                     f"({b['kv_copy_bytes'] / MiB:.0f}) -> {a['kv_copies_in_loop']} ({a['kv_copy_bytes'] / MiB:.0f}) | "
+                     f"{b['total'] / GiB:.2f} -> {a['total'] / GiB:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cells", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu_family_table.json"),
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--cells", default=os.path.join(here, "tpu_family_table.json"),
                     help="the table's rows (bench/tpu_family_table.py --json)")
     ap.add_argument("--json", help="append rows here (and skip cells already in it)")
     ap.add_argument("--only", nargs="*", help="presets to audit (default: every cell)")

@@ -4,8 +4,8 @@ The cache is the pair (k, v), each (layers, B, L, K*H): K/V of every canvas posi
 last full refresh, heads and head dim merged into one minor dim. That is the layout the attention
 kernel reads ((B, L, K*H) per layer, no relayout); stored as (.., K, H) with a small K, XLA:TPU
 tiles K as the second-minor dim and relays the whole cache out inside the decoding loop
-(docs/accelerators.md, "KV-cache layout"). Window forwards read it and write their fresh window K/V into a *copy* used
-for that forward only (dInfer semantics: only full refreshes persist).
+(docs/accelerators.md, "KV-cache layout"). Window forwards read it and write their fresh window
+K/V into a *copy* used for that forward only (dInfer semantics: only full refreshes persist).
 
 Windows are per row: row b's window is [start_b, start_b + S) with a static S and a traced start.
 """

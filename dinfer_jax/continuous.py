@@ -13,9 +13,10 @@ inside the program's region (max_tokens 16, 24 and 32 with block 8 share one pro
 exactly as alone, at most `max_programs` at once, stepped round robin. A job joins a batch whose
 programs are compiled before one still compiling (it never waits for a compile a ready program
 makes unnecessary: `_place`); a new batch takes the largest gen length running with the same
-settings (rows of every length then share one program), and its size is the power of two covering the waiting rows that join it plus the rows already
-running its program (at most max_batch): a lone request decodes in a batch of one (as fast as the
-static scheduler), a loaded program grows. When a program's batches drain, their rows move into
+settings (rows of every length then share one program), and its size is the power of two
+covering the waiting rows that join it plus the rows already running its program (at most
+max_batch): a lone request decodes in a batch of one (as fast as the static scheduler), a loaded
+program grows. When a program's batches drain, their rows move into
 one smaller batch, and several batches of one program merge into one (`repack_size`,
 `RunningBatch.take_rows`: a B-slot program costs B rows whatever the number running, and each
 batch costs a forward per step; the movers compile on the compile thread). A batch is dropped when it runs empty (its
