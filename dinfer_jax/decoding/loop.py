@@ -50,7 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.cache import empty_cache, per_row, window_slice, window_write
+from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding import strategies as st
 from dinfer_jax.decoding.block_loop import block_loop_functions
 from dinfer_jax.decoding.constraint import constrain_logits
@@ -340,11 +340,19 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             """The full-canvas forward of the rows `rows` ((R,) indices; None: all B)."""
             take = (lambda a: a) if rows is None else (lambda a: None if a is None else jnp.take(a, rows, axis=0))
             start_R = take(start_B)
+            refresh = {}
+            if spec.cache != "none":
+                # the refreshing rows' fresh K/V go into the carried cache layer by layer (the others
+                # keep theirs), in place: no second stacked cache (Transformer kv_in_place)
+                write_R = take(need_full)
+                refresh = dict(kv=s["kv"], window_start=0, kv_in_place=True, kv_rows=rows,
+                               kv_write_BS=jnp.broadcast_to(write_R[:, None], (write_R.shape[0], Lc)),
+                               key_positions_BL=take(positions_BL))
             with jax.named_scope("forward_full"):
                 lw = None if spec.smoothing else (start_R - sh, Bk)
                 logits, kv = _forward(module, params, spec, take(x), take(soft), take(s["it"]),
                                       jax.tree_util.tree_map(take, knobs), positions_BS=take(positions_BL),
-                                      key_mask_BL=take(key_mask_BL), logits_window=lw)
+                                      key_mask_BL=take(key_mask_BL), logits_window=lw, **refresh)
             if spec.smoothing:
                 soft_new = _soft_embeddings(module, params, logits)
                 logits = window_slice(logits, start_R, Bk)
@@ -352,19 +360,13 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 soft_new = None
             return logits, kv, soft_new
 
-        def full(_):
-            logits, kv, soft_new = forward_full(None)
-            if spec.cache != "none":  # refreshed rows take the new K/V; the others keep theirs
-                sel = per_row(need_full)
-                kv = tuple(jnp.where(sel, a, b) for a, b in zip(kv, s["kv"]))
-            return logits, kv, soft_new
+        def full(_):  # refreshed rows take the new K/V; the others keep theirs (forward_full)
+            return forward_full(None)
 
         def some_full(R, _):  # at most R rows need it: gather R rows (need_full rows first)
             rows = jnp.argsort(~need_full, stable=True)[:R]
-            take_R = per_row(need_full[rows])
-            logits_R, kv_R, soft_R = forward_full(rows)
+            logits_R, kv, soft_R = forward_full(rows)  # kv: the whole cache, its rows refreshed
             logits = jnp.zeros((B, Bk, V), jnp.float32).at[rows].set(logits_R.astype(jnp.float32))
-            kv = tuple(c.at[:, rows].set(jnp.where(take_R, a, c[:, rows])) for a, c in zip(kv_R, s["kv"]))
             soft_new = None if not spec.smoothing else jnp.zeros_like(soft).at[rows].set(soft_R.astype(soft.dtype))
             return logits, kv, soft_new
 

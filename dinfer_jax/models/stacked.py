@@ -161,11 +161,17 @@ def _is_matmul_weight(path) -> bool:
     return quant.quant_dims(keys) is not None
 
 
-def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None, mesh=None):
+def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None, mesh=None,
+                update: tuple | None = None):
     """lax.scan over the layer stack: (carry, ys_i) = fn(params_i, carry, xs_i) for each layer i,
     params_i holding its matmul weights as LayerSlices (module doc) and its other params sliced.
     fn typically applies an unbound Flax layer: module.apply({"params": params_i}, ...).
-    Returns (carry, ys stacked over layers)."""
+    Returns (carry, ys stacked over layers).
+
+    update = (offset, rows): xs are updated in place instead: layer i reads xs[offset + i] (its rows
+    `rows`, an (R,) index array, when not None), and fn's ys_i is written back there; returns
+    (carry, the updated xs). The stacks ride in the scan's carry, so XLA updates their buffer in
+    place: no second stack of the xs' size exists (a cache refresh, dinfer_jax/cache.py)."""
     in_place = reads_in_place(platform, mesh)
     n = jax.tree_util.tree_leaves(stacked_params)[0].shape[0]
 
@@ -175,4 +181,22 @@ def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None
             lambda path, w: LayerSlice(w, i, in_place) if _is_matmul_weight(path) else index(w, i),
             stacked_params, is_leaf=lambda v: isinstance(v, quant.QuantizedWeight))
         return fn(p_i, c, x_i)
-    return jax.lax.scan(body, carry, (jnp.arange(n), xs))
+    if update is None:
+        return jax.lax.scan(body, carry, (jnp.arange(n), xs))
+    offset, rows = update
+
+    def read(a, j):
+        layer = jax.lax.dynamic_index_in_dim(a, j, 0, keepdims=False)
+        return layer if rows is None else jnp.take(layer, rows, axis=0)
+
+    def write(a, y, j):  # in the scan's carry: XLA updates the stack in place
+        y = y.astype(a.dtype)
+        return jax.lax.dynamic_update_index_in_dim(a, y, j, 0) if rows is None else a.at[j, rows].set(y)
+
+    def body_in_place(c, i):
+        c0, st = c
+        j = i + offset
+        c1, y = body(c0, (i, jax.tree_util.tree_map(lambda a: read(a, j), st)))
+        return (c1, jax.tree_util.tree_map(lambda a, y_: write(a, y_, j), st, y)), None
+    (carry, xs), _ = jax.lax.scan(body_in_place, (carry, xs), jnp.arange(n))
+    return carry, xs

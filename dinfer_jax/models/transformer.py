@@ -87,13 +87,18 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """__call__(tokens_BS | embeds_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None,
-    kv_write_BS=None, logits_window=None, key_positions_BL=None) -> (logits fp32, (k_LBLF, v_LBLF)),
+    kv_write_BS=None, logits_window=None, key_positions_BL=None, kv_in_place=False, kv_rows=None)
+    -> (logits fp32, (k_LBLF, v_LBLF)),
     leading L = all layers (dense_layers first), F = K*H (the cache's layout, dinfer_jax/cache.py).
 
     Without `kv`, the S inputs are the whole sequence (L == S). With `kv` (per-layer full-length
     caches stacked over layers), the S inputs are per-row windows starting at `window_start`
     (scalar or (B,)); their fresh K/V are written into a copy of the cache (where kv_write_BS, if
     given) before attention, and those copies are returned.
+    kv_in_place=True: the same, but each layer writes its copy back into `kv` inside the layer scan
+    (stacked.scan_layers' update), so the returned cache reuses kv's buffer (no second stacked cache;
+    for forwards whose K/V persist, i.e. refreshes). kv_rows (R,): the B inputs are those rows of
+    kv's batch (gathered per layer, written back in place).
     key_mask_BL: True for keys that may be attended (False = padding).
     logits_window=(starts_B, size): compute logits only for that per-row slice of the S outputs
     -> (B, size, V); default all S -> (B, S, V).
@@ -136,8 +141,9 @@ class Transformer(nn.Module):
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
 
     def _run_stack(self, name: str, dense_ffn: bool, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
-                   key_positions_BL):
-        """The layer stack `name` over x (nn.scan at init; else stacked.scan_layers, module doc)."""
+                   key_positions_BL, update=None):
+        """The layer stack `name` over x (nn.scan at init; else stacked.scan_layers, module doc;
+        update: scan_layers' in-place update of kv)."""
         if self.is_initializing():
             return getattr(self, name)(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL)
         layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size,
@@ -146,16 +152,22 @@ class Transformer(nn.Module):
         def fn(p_i, x, kv_i):
             return layer.apply({"params": p_i}, x, positions_BS, key_mask_BL, kv_i, window_start, kv_write_BS,
                                key_positions_BL)
-        return stacked.scan_layers(fn, self.variables["params"][name], x, kv, platform=self.platform, mesh=self.mesh)
+        return stacked.scan_layers(fn, self.variables["params"][name], x, kv, platform=self.platform, mesh=self.mesh,
+                                   update=update)
 
     def embed_tokens(self, tokens_BS):
         """tokens_BS -> embeds_BSD (also used to build soft embeddings for iteration smoothing)."""
         return self.embed(tokens_BS)
 
     def __call__(self, tokens_BS=None, embeds_BSD=None, positions_BS=None, key_mask_BL=None,
-                 kv=None, window_start=None, kv_write_BS=None, logits_window=None, key_positions_BL=None):
+                 kv=None, window_start=None, kv_write_BS=None, logits_window=None, key_positions_BL=None,
+                 kv_in_place=False, kv_rows=None):
         if (tokens_BS is None) == (embeds_BSD is None):
             raise ValueError("Transformer: pass exactly one of tokens_BS or embeds_BSD")
+        if (kv_in_place or kv_rows is not None) and (kv is None or self.is_initializing()):
+            raise ValueError("Transformer: kv_in_place / kv_rows update a given kv cache")
+        if kv_rows is not None and not kv_in_place:
+            raise ValueError("Transformer: kv_rows gathers rows of a cache updated in place (kv_in_place=True)")
         x = self.embed(tokens_BS) if embeds_BSD is None else embeds_BSD.astype(self.dtype)
         x = constrain(x, ACT_AXES, self.mesh)
         B, S, _ = x.shape
@@ -164,6 +176,14 @@ class Transformer(nn.Module):
         if self.block_size and kv is not None and key_positions_BL is None:
             raise ValueError("a block-causal forward over a KV cache needs key_positions_BL (B, L)")
         k0 = self.cfg.first_k_dense
+        if kv_in_place:  # both stacks update their own layers of the one cache (no slices, no concatenate)
+            with jax.named_scope("layers"):
+                if k0:
+                    x, kv = self._run_stack("dense_layers", True, x, positions_BS, key_mask_BL, kv, window_start,
+                                            kv_write_BS, key_positions_BL, update=(0, kv_rows))
+                x, new_kv = self._run_stack("layers", False, x, positions_BS, key_mask_BL, kv, window_start,
+                                            kv_write_BS, key_positions_BL, update=(k0, kv_rows))
+            return self._logits(x, B, logits_window), new_kv
         kv_dense, kv = (None, kv) if kv is None or not k0 else (
             tuple(t[:k0] for t in kv), tuple(t[k0:] for t in kv))
         with jax.named_scope("layers"):
@@ -174,6 +194,10 @@ class Transformer(nn.Module):
                                         key_positions_BL)
             if k0:
                 new_kv = tuple(jnp.concatenate([a, b]) for a, b in zip(dense_kv, new_kv))
+        return self._logits(x, B, logits_window), new_kv
+
+    def _logits(self, x, B, logits_window):
+        """Final norm and unembedding of the rows' window (logits_window) or all positions -> fp32."""
         if logits_window is not None:
             x = window_slice(x, as_starts(logits_window[0], B), logits_window[1])
         x = self.final_norm(x)
@@ -181,7 +205,7 @@ class Transformer(nn.Module):
             logits = self.embed.attend(x)
         else:
             logits = self.lm_head(x)
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), self.mesh), new_kv
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), self.mesh)
 
 
 def _init_as_v1_kernel(key, shape, dtype):
