@@ -2,7 +2,6 @@
 stacked.scan_layers' update): no second stacked cache. Checked against the plain forward (fresh K/V,
 validated against transformers in test_parity_transformers.py) plus a per-row select, on a model
 with a leading dense layer (both stacks update the one cache), for all rows and for gathered rows."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
