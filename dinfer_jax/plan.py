@@ -262,15 +262,21 @@ def host_callbacks(instrs: list[Instr], in_loop_only: bool = True) -> int:
     return n
 
 
-def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int) -> list[Instr]:
+def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int,
+                 hidden_size: int = 0) -> list[Instr]:
     """Copies inside a loop whose result is KV-cache shaped: dims holding the canvas length and either
     the merged kv_heads*head_dim (the cache's own layout) or both separately, at least one layer's K
-    (or V) shard in elements. Only `copy` ops outside fusions (relayouts that materialise a buffer);
-    async copy-start / copy-done are memory-space prefetches and evictions that XLA's memory space
-    assignment schedules, not a second cache."""
+    (or V) shard in elements. When kv_heads*head_dim == hidden_size a merged (B, L, D) copy may be a
+    hidden state, so the merged form then counts from two layers' size up (a stacked cache). Only
+    `copy` ops outside fusions (relayouts that materialise a buffer); async copy-start / copy-done
+    are memory-space prefetches and evictions that XLA's memory space assignment schedules, not a
+    second cache."""
+    merged_min = layer_elems * (2 if kv_heads * head_dim == hidden_size else 1)
+
     def kv_shaped(d):
-        return math.prod(d) >= layer_elems and canvas in d and (
-            kv_heads * head_dim in d or (head_dim in d and kv_heads in d))
+        n = math.prod(d)
+        return canvas in d and ((kv_heads * head_dim in d and n >= merged_min) or
+                                (head_dim in d and kv_heads in d and n >= layer_elems))
     return [i for i in instrs if i.in_loop and i.opcode == "copy" and not i.computation.startswith("fused_")
             and any(kv_shaped(d) for d in i.dims)]
 
@@ -350,6 +356,7 @@ class Plan:
     head_dim: int
     forward_flops: float  # whole forward, all devices: 2 x active params x program batch x window
     largest_batch: int | None = None
+    hidden_size: int = 0  # D: a (B, L, D) activation copy looks like one layer's merged K when K*H == D
     pending: dict = dataclasses.field(default_factory=dict, repr=False)  # name -> (fn, args, static) to compile
 
     def compile(self) -> "Plan":
@@ -393,7 +400,8 @@ class Plan:
         instrs = [i for c in self.programs.values() for i in c.instrs]
         kv_layer = self.kv_bytes // (2 * self.layers)  # one layer's K (or V) shard
         big_gather = largest(instrs, ("all-gather", "all-gather-start"))
-        kv = cache_copies(instrs, self.canvas_length, self.kv_local_heads, self.head_dim, kv_layer // 2) \
+        kv = cache_copies(instrs, self.canvas_length, self.kv_local_heads, self.head_dim, kv_layer // 2,
+                          self.hidden_size) \
             if self.kv_bytes else []
         return {
             "host_callbacks_in_loop": host_callbacks(instrs),
@@ -470,7 +478,8 @@ def prepare_plan(cfg: ModelConfig, topo: Topology, mesh_spec, *, batch: int = 1,
                 _kv_bytes(cfg, model, sampling, B, Lc), expert, tpf, cfg.num_layers,
                 cfg.num_kv_heads // (mesh.shape["model"] if cfg.num_kv_heads % mesh.shape["model"] == 0 else 1),
                 cfg.head_dim, 2.0 * cfg.num_active_params * B * (Lc if sampling.cache == "none" else
-                                                                 sampling.block_length), pending=todo)
+                                                                 sampling.block_length),
+                hidden_size=cfg.hidden_size, pending=todo)
 
 
 def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, **kw) -> Plan:

@@ -172,7 +172,7 @@ def test_kv_cache_is_updated_in_place():
 def test_kv_copy_audit_sees_either_cache_layout():
     """plan.cache_copies flags a copy inside a loop of a cache-shaped buffer in the merged (K*H) or the
     split (K, H) layout, at least one layer's size; not fusion-internal copies, loop-free ones or
-    small ones."""
+    small ones, nor a one-layer merged copy when K*H is the hidden size (it may be activations)."""
     from dinfer_jax.plan import Instr, cache_copies
     L, K, H = 544, 4, 128
     layer = L * K * H
@@ -187,6 +187,10 @@ def test_kv_copy_audit_sees_either_cache_layout():
                           copy((1, 32, L)), copy((1, 8, K * H)), copy((20, 1, L, K * H), opcode="copy-start")],
                          L, K, H, layer)
     assert [i.dims for i in found] == [((20, 1, L, K * H),), ((20, 1, L, K, H),), ((1, L, K, H),)]
+    # K*H == hidden size: a (B, L, D) copy may be a hidden state; the stacked merged cache still counts
+    found = cache_copies([copy((1, L, K * H)), copy((20, 1, L, K * H)), copy((1, L, K, H))], L, K, H, layer,
+                         hidden_size=K * H)
+    assert [i.dims for i in found] == [((20, 1, L, K * H),), ((1, L, K, H),)]
 
 
 @needs_libtpu

@@ -169,7 +169,7 @@ def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None
     Returns (carry, ys stacked over layers).
 
     update = (offset, rows): xs are updated in place instead: layer i reads xs[offset + i] (its rows
-    `rows`, an (R,) index array, when not None), and fn's ys_i is written back there; returns
+    `rows`, an (R,) array of distinct indices, when not None), and fn's ys_i is written back there; returns
     (carry, the updated xs). The stacks ride in the scan's carry, so XLA updates their buffer in
     place: no second stack of the xs' size exists (a cache refresh, dinfer_jax/cache.py)."""
     in_place = reads_in_place(platform, mesh)
@@ -191,7 +191,9 @@ def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None
 
     def write(a, y, j):  # in the scan's carry: XLA updates the stack in place
         y = y.astype(a.dtype)
-        return jax.lax.dynamic_update_index_in_dim(a, y, j, 0) if rows is None else a.at[j, rows].set(y)
+        if rows is None:
+            return jax.lax.dynamic_update_index_in_dim(a, y, j, 0)
+        return a.at[j, rows].set(y, unique_indices=True)  # rows: distinct (the caller's contract)
 
     def body_in_place(c, i):
         c0, st = c

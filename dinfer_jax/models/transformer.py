@@ -98,7 +98,7 @@ class Transformer(nn.Module):
     kv_in_place=True: the same, but each layer writes its copy back into `kv` inside the layer scan
     (stacked.scan_layers' update), so the returned cache reuses kv's buffer (no second stacked cache;
     for forwards whose K/V persist, i.e. refreshes). kv_rows (R,): the B inputs are those rows of
-    kv's batch (gathered per layer, written back in place).
+    kv's batch, distinct (gathered per layer, written back in place).
     key_mask_BL: True for keys that may be attended (False = padding).
     logits_window=(starts_B, size): compute logits only for that per-row slice of the S outputs
     -> (B, size, V); default all S -> (B, S, V).
