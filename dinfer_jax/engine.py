@@ -481,7 +481,7 @@ class Generator:
             def run(params, canvas, pad, plen, active, knobs, observer_id):
                 self.compiles += 1  # runs at trace time only
                 return generate_loop(module, params, spec, canvas, pad, plen, gen_start, active, knobs, observer_id,
-                                     refresh_rows_for(canvas.shape[0], self.model.data_parallel))
+                                     refresh_rows_for(canvas.shape[0], self.model.batch_shards(canvas.shape[0])))
             return jax.jit(run, donate_argnums=(1,))  # outputs keep the canvas sharding
         return self._programs.get((spec, gen_start), build)
 
@@ -493,7 +493,7 @@ class Generator:
             if module.cfg.attention_mask == "block_causal":
                 module = module.clone(attention_block=spec.block_length)
             init, segment = segment_program(module, spec, gen_start, gen_start + spec.gen_length + spec.tail_room,
-                                            refresh_rows_for(batch, self.model.data_parallel))
+                                            refresh_rows_for(batch, self.model.batch_shards(batch)))
 
             def counted(fn):
                 def run(*a):

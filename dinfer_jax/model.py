@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,11 @@ class Model:
     def data_parallel(self) -> int:
         """Size of the mesh's data axis (batches are padded to a multiple of it); 1 without a mesh."""
         return 1 if self.mesh is None else self.mesh.shape["data"]
+
+    def batch_shards(self, batch: int) -> int:
+        """How many ways a batch of `batch` rows is split over the mesh (the data axis, and the expert
+        axis too when the batch divides: sharding.batch_axes); 1 without a mesh."""
+        return math.prod(self.mesh.shape[a] for a in shd.batch_axes(batch, self.mesh)) if self.mesh is not None else 1
 
     @functools.cached_property
     def generator(self):

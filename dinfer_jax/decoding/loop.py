@@ -261,13 +261,14 @@ def loop_stats(state, stat_keys) -> dict:
     return stats
 
 
-def refresh_rows_for(batch: int, data_parallel: int = 1) -> tuple[int, ...]:
+def refresh_rows_for(batch: int, batch_shards: int = 1) -> tuple[int, ...]:
     """The row counts (increasing) the cached loop's partial full refresh may gather (empty: none).
     Rows reach a block start at different steps (continuous batching, threshold decoding); a step
     where n rows need the full-canvas forward runs it on the smallest gathered size >= n (B/4 from
-    8 rows, B/2 from 4), on all B past the largest. Off on a data-parallel mesh (the gather would
+    8 rows, B/2 from 4), on all B past the largest. Off when the batch is split over devices
+    (batch_shards > 1: data, or expert, parallel; the gather and the in-place row write-back would
     cross devices) and below 4 rows (the saving would not pay the extra compile)."""
-    if batch < 4 or data_parallel != 1:
+    if batch < 4 or batch_shards != 1:
         return ()
     return (batch // 4, batch // 2) if batch >= 8 else (batch // 2,)
 
