@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 
 def as_starts(start, batch: int):
@@ -58,7 +59,6 @@ def row_major(x):
     whole stacked cache inside the loop to match. Used for TPU targets only: elsewhere row-major is
     the default already, and jax.export does not list the pin's custom call (LayoutConstraint) as
     stable (dinfer_jax/aot.py allows it for TPU exports)."""
-    from jax.experimental.layout import Layout, with_layout_constraint
     return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 

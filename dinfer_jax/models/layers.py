@@ -73,13 +73,19 @@ def rotary_embedding(x_BSnH, positions_BS, theta: float, rotary_dim: int):
     return rot.astype(x_BSnH.dtype)
 
 
-def _shard_kw(mesh, kv_shape):
-    """attention()'s shard_map arguments for (B, L, K, H) keys on `mesh` (sharding.LOGICAL_RULES)."""
+def whole_kv_heads(mesh, kv_heads: int) -> bool:
+    """Whether the model axis splits K/V over whole heads (it divides K); else K/V stay replicated over
+    it (GQA with TP > K, sharding.LOGICAL_RULES)."""
+    return mesh is None or kv_heads % mesh.shape["model"] == 0
+
+
+def _shard_kw(mesh, batch: int, kv_heads: int):
+    """attention()'s shard_map arguments for the K/V of `batch` rows and `kv_heads` heads on `mesh`."""
     if mesh is None or mesh.size == 1:
         return {}
     from dinfer_jax.sharding import batch_axes
-    heads = ("model",) if mesh.shape["model"] > 1 and kv_shape[2] % mesh.shape["model"] == 0 else ()
-    return dict(mesh=mesh, batch_axes=batch_axes(kv_shape[0], mesh), head_axes=heads)
+    heads = ("model",) if mesh.shape["model"] > 1 and whole_kv_heads(mesh, kv_heads) else ()
+    return dict(mesh=mesh, batch_axes=batch_axes(batch, mesh), head_axes=heads)
 
 
 def _layout_pin(platform, mesh, batch: int, kv_heads: int):
@@ -91,7 +97,7 @@ def _layout_pin(platform, mesh, batch: int, kv_heads: int):
         return lambda a: a
     if mesh is None or mesh.size == 1:
         return row_major
-    kw = _shard_kw(mesh, (batch, 0, kv_heads, 0))
+    kw = _shard_kw(mesh, batch, kv_heads)
     rows, heads = tuple(kw["batch_axes"]) or None, tuple(kw["head_axes"]) or None
 
     def pin(a):
@@ -156,7 +162,7 @@ class Attention(nn.Module):
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
             o_BSNH = attention(q, split_heads(k, K), split_heads(v, K), key_mask_BL, q_pos_BS=positions_BS,
                                k_pos_BL=k_pos, block_size=block_size, impl=self.attention_impl,
-                               platform=self.platform, **_shard_kw(self.mesh, (*k.shape[:2], K, H)))
+                               platform=self.platform, **_shard_kw(self.mesh, k.shape[0], K))
         return stacked.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 

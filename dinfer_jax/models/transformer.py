@@ -38,7 +38,7 @@ from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import quant, stacked
 from dinfer_jax.models.layers import _init as _default_init
-from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param
+from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param, whole_kv_heads
 from dinfer_jax.models.moe import MoE
 from dinfer_jax.sharding import constrain
 
@@ -50,8 +50,7 @@ def kv_axes(cfg: ModelConfig, mesh) -> tuple:
     """Logical axes of a layer's cached (B, L, K*H) K or V: the merged dim splits over the model axis
     by whole heads, so only when that axis divides K (else replicated, as sharding.LOGICAL_RULES
     does for kv_heads)."""
-    whole_heads = mesh is None or cfg.num_kv_heads % mesh.shape["model"] == 0
-    return ("batch", "length", "kv_heads" if whole_heads else None)
+    return ("batch", "length", "kv_heads" if whole_kv_heads(mesh, cfg.num_kv_heads) else None)
 
 
 class DecoderLayer(nn.Module):
