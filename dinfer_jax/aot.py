@@ -103,17 +103,16 @@ def abstract_model(cfg: ModelConfig, platform: str, *, dtype=jnp.bfloat16, mesh=
                    moe_impl: str = "auto", quantize: str | None = None):
     """A Model over ShapeDtypeStruct params (sharded over `mesh` when given) targeting `platform`;
     quantize "int8" | "fp8": the quantized params as QuantizedWeight (models/quant.py)."""
-    from dinfer_jax import sharding as shd
     from dinfer_jax.model import Model
-    from dinfer_jax.models import abstract_params, unflatten
+    from dinfer_jax.models import abstract_params, placement, unflatten
     from dinfer_jax.models.quant import pack_flat, quantize_abstract, unpack_flat
     flat = abstract_params(cfg, dtype)
     if quantize is not None:
         flat = quantize_abstract(flat, quantize)
     if mesh is not None:
-        shd.check_mesh_fits(cfg, mesh)
+        placement.check_mesh_fits(cfg, mesh)
         leaves, quantization = unpack_flat(flat)
-        shardings = shd.param_shardings(cfg, mesh, {k: v.shape for k, v in leaves.items()}, quantization)
+        shardings = placement.param_shardings(cfg, mesh, {k: v.shape for k, v in leaves.items()}, quantization)
         leaves = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in leaves.items()}
         flat = pack_flat(leaves, quantization)
     return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh, platform)

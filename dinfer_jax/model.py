@@ -14,6 +14,7 @@ from dinfer_jax import checkpoint as ckpt
 from dinfer_jax import sharding as shd
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import Transformer, flatten, unflatten
+from dinfer_jax.models import placement
 from dinfer_jax.token_ids import check_token_ids
 
 
@@ -26,7 +27,7 @@ def default_dtype():
 class Model:
     """A config plus an explicit params pytree. `logits(ids)` runs the full bidirectional forward.
 
-    With `mesh` (sharding.make_mesh), params are global arrays placed by sharding.param_shardings
+    With `mesh` (sharding.make_mesh), params are global arrays placed by models.placement.param_shardings
     (use `with_mesh` or `load_model(..., mesh=)`), the MoE runs expert parallel, and inputs and
     outputs are placed/gathered for every process.
     """
@@ -42,8 +43,8 @@ class Model:
         """The same model with params placed on `mesh` (ShardingError if the mesh does not fit)."""
         if mesh is None:
             return Model(self.config, self.params, self.moe_impl, self.attention_impl, None, self.platform, self.folder)
-        shd.check_mesh_fits(self.config, mesh)
-        flat = shd.shard_params(flatten(self.params), self.config, mesh)
+        placement.check_mesh_fits(self.config, mesh)
+        flat = placement.shard_params(flatten(self.params), self.config, mesh)
         return Model(self.config, unflatten(flat), self.moe_impl, self.attention_impl, mesh, self.platform, self.folder)
 
     @property
@@ -147,9 +148,9 @@ def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: st
     dtype = default_dtype() if dtype is None else dtype
     if mesh is not None and ckpt.is_checkpoint(path):
         cfg = ckpt.read_config(path)
-        shd.check_mesh_fits(cfg, mesh)
+        placement.check_mesh_fits(cfg, mesh)
         man = ckpt.read_manifest(path)
-        shardings = shd.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()},
+        shardings = placement.param_shardings(cfg, mesh, {k: v["shape"] for k, v in man["params"].items()},
                                         man.get("quantization"))
         flat = ckpt.read_params(path, dtype=dtype, shardings=shardings)
         return Model(cfg, unflatten(flat), moe_impl, attention_impl, mesh, folder=path)

@@ -33,6 +33,7 @@ import numpy as np
 from dinfer_jax import sharding as shd
 from dinfer_jax.aot import MOSAIC_TPU, abstract_model, pallas_calls, segment_program_args
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.models import placement
 from dinfer_jax.engine import SamplingParams
 
 TPU_EXTRA = "pip install -e '.[tpu]'"
@@ -151,7 +152,7 @@ def candidate_meshes(cfg: ModelConfig, topo: Topology) -> list[dict]:
             continue
         sizes = {"data": n // (e * m), "expert": e, "model": m}
         try:
-            shd.check_mesh_fits(cfg, topology_mesh(topo, sizes))
+            placement.check_mesh_fits(cfg, topology_mesh(topo, sizes))
         except shd.ShardingError:
             continue
         out.append(sizes)

@@ -1,11 +1,12 @@
-"""Device meshes, the ONE table of logical-axis rules, param/activation shardings, multi-host init.
+"""Device meshes, the ONE table of logical-axis rules, activation shardings, multi-host init.
+Imports no model: param placement (each param's sharding, the mesh-fit check) is models/placement.py.
 
 Mesh axes are always ("data", "expert", "model"), sizes from a spec like "data=2,expert=4"
 (missing axes are 1, one axis may be -1 = the remaining devices). Axis types are Auto: GSPMD
 propagates shardings from the params and inputs, `constrain` pins the activations, and the MoE
 layer runs expert parallelism by hand inside `jax.shard_map` (models/expert_parallel.py).
 
-Logical axes (DESIGN.md): every param is declared with one logical name per dim
+Logical axes (docs/architecture.md): every param is declared with one logical name per dim
 (models/layers.py `param`), resolved here through LOGICAL_RULES. Params whose dims must split
 evenly (experts, query heads, the FFN dim) raise a clear error when the mesh does not divide
 them; the others (kv heads under TP > K, vocab, batch) drop the mesh axes that do not divide
@@ -143,52 +144,6 @@ def constrain(x, axes: tuple, mesh: Mesh | None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(axes, x.shape, mesh)))
 
 
-def param_logical_axes(cfg) -> dict[str, tuple]:
-    """{'/'-joined param path: logical axis names} read from the model's own declarations."""
-    import flax.linen as nn
-    import jax.numpy as jnp
-    from dinfer_jax.models import Transformer, flatten
-    boxed = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
-    specs = nn.get_partition_spec(boxed)
-    return {k: tuple(v) for k, v in flatten(specs).items()}
-
-
-def param_shardings(cfg, mesh: Mesh, shapes: dict | None = None,
-                    quantization: dict | None = None) -> dict[str, NamedSharding]:
-    """{path: NamedSharding} for every param of `cfg` on `mesh`; ShardingError if the mesh does
-    not divide the experts, query heads or FFN dim. quantization ({path: {kind, n_in, n_out}}, a
-    quantized checkpoint's manifest entry): the quantized values keep the weight's sharding and
-    `path@scale` gets quant.scale_axes of the weight's logical axes (non-strict: a block-scale dim
-    the mesh does not divide stays replicated)."""
-    from dinfer_jax.models import abstract_params
-    from dinfer_jax.models.quant import SCALE_SUFFIX, scale_axes
-    shapes = shapes or {k: v.shape for k, v in abstract_params(cfg).items()}
-    axes = param_logical_axes(cfg)
-    out = {k: NamedSharding(mesh, logical_spec(axes[k], tuple(shapes[k]), mesh, strict=True, what=k))
-           for k in axes}
-    for k, m in (quantization or {}).items():
-        s_axes = scale_axes(axes[k], m["kind"], m["n_in"], m["n_out"], bool(m.get("out_first", False)))
-        s_shape = tuple(shapes[k + SCALE_SUFFIX])
-        out[k + SCALE_SUFFIX] = NamedSharding(mesh, logical_spec(s_axes, s_shape, mesh, what=k + SCALE_SUFFIX))
-    return out
-
-
-def check_mesh_fits(cfg, mesh: Mesh):
-    """Raise ShardingError naming every param the mesh cannot split (before any data moves)."""
-    problems = []
-    from dinfer_jax.models import abstract_params
-    shapes = {k: v.shape for k, v in abstract_params(cfg).items()}
-    axes = param_logical_axes(cfg)
-    for k in axes:
-        try:
-            logical_spec(axes[k], tuple(shapes[k]), mesh, strict=True, what=k)
-        except ShardingError as e:
-            problems.append(str(e))
-    if problems:
-        raise ShardingError(f"mesh {mesh_summary(mesh)} does not fit the model: " + "; ".join(problems[:4])
-                            + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))
-
-
 # ------------------------------------------------------------------ host <-> global arrays
 def to_global(x, sharding: NamedSharding):
     """A host array (the same full value on every process) -> a global jax.Array with `sharding`.
@@ -205,29 +160,6 @@ def to_host(x) -> np.ndarray:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-def shard_params(flat: dict, cfg, mesh: Mesh) -> dict:
-    """Flat {path: host array, jax.Array or QuantizedWeight} -> the same placed on `mesh`."""
-    from dinfer_jax.models.quant import pack_flat, unpack_flat
-    flat, quantization = unpack_flat(flat)
-    if quantization:
-        return pack_flat(_shard_leaves(flat, cfg, mesh, quantization), quantization)
-    return _shard_leaves(flat, cfg, mesh)
-
-
-def _shard_leaves(flat: dict, cfg, mesh: Mesh, quantization: dict | None = None) -> dict:
-    """shard_params for plain leaves (a quantized model's split into values and path@scale)."""
-    shardings = param_shardings(cfg, mesh, {k: np.shape(v) for k, v in flat.items()}, quantization)
-    out = {}
-    for k, v in flat.items():
-        if isinstance(v, jax.Array) and not v.is_fully_addressable:
-            out[k] = jax.jit(lambda a: a, out_shardings=shardings[k])(v)
-        elif isinstance(v, jax.Array) and jax.process_count() == 1:
-            out[k] = jax.device_put(v, shardings[k])
-        else:
-            out[k] = to_global(v, shardings[k])
-    return out
 
 
 # ------------------------------------------------------------------------------ multi-host

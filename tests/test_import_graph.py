@@ -15,8 +15,6 @@ PACKAGES = ("dinfer_jax", "pallas_kernels", "converters")
 # Left for issue 29's later steps (placement out of sharding.py, a
 # serving package): remove a set as soon as its circle is broken.
 KNOWN_CIRCLES = [
-    {"dinfer_jax.models", "dinfer_jax.models.layers", "dinfer_jax.models.moe", "dinfer_jax.models.transformer",
-     "dinfer_jax.sharding"},
     {"dinfer_jax.continuous", "dinfer_jax.server"},
 ]
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax import sharding as shd
+from dinfer_jax.models import placement
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharding_worker.py")
 MOE_MESHES = ["data=8", "expert=8", "data=2,expert=4", "expert=4,model=2", "data=2,expert=2,model=2"]
@@ -167,10 +168,10 @@ def test_mesh_that_does_not_divide_the_model_is_a_clear_error():
     from dinfer_jax.families import preset
     cfg = preset("tiny")  # 8 experts, 4 heads, F 32
     with pytest.raises(shd.ShardingError, match="'expert' of size 3"):
-        shd.check_mesh_fits(cfg, _MeshShape(expert=3))
+        placement.check_mesh_fits(cfg, _MeshShape(expert=3))
     with pytest.raises(shd.ShardingError, match="'heads' of size 4 is not divisible by mesh axis 'model' of size 8"):
-        shd.check_mesh_fits(cfg, _MeshShape(model=8))
-    shd.check_mesh_fits(cfg, _MeshShape(data=4, expert=8, model=4))  # kv heads (2) stay replicated
+        placement.check_mesh_fits(cfg, _MeshShape(model=8))
+    placement.check_mesh_fits(cfg, _MeshShape(data=4, expert=8, model=4))  # kv heads (2) stay replicated
 
 
 @pytest.mark.smoke
@@ -232,7 +233,7 @@ def test_llada2_mini_param_shardings_on_8_devices():
     from dinfer_jax.models import abstract_params
     cfg = preset("llada2-mini")
     shapes = {k: v.shape for k, v in abstract_params(cfg).items()}
-    axes = shd.param_logical_axes(cfg)
+    axes = placement.param_logical_axes(cfg)
     m = _MeshShape(expert=4, model=2)
     spec = {k: shd.logical_spec(axes[k], shapes[k], m, strict=True, what=k) for k in axes}
     assert spec["layers/mlp/gate_proj"] == shd.P(None, "expert", None, "model")
@@ -241,5 +242,5 @@ def test_llada2_mini_param_shardings_on_8_devices():
     assert spec["layers/mlp/shared/gate_proj"] == shd.P(None, None, "model")
     assert spec["dense_layers/mlp/down_proj"] == shd.P(None, "model", None)
     assert spec["layers/attn/q_proj"] == shd.P(None, None, "model", None)
-    shd.check_mesh_fits(cfg, _MeshShape(expert=8))
-    shd.check_mesh_fits(cfg, _MeshShape(data=2, expert=8, model=4))  # kv heads (4) split over model=4
+    placement.check_mesh_fits(cfg, _MeshShape(expert=8))
+    placement.check_mesh_fits(cfg, _MeshShape(data=2, expert=8, model=4))  # kv heads (4) split over model=4

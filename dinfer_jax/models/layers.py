@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from dinfer_jax.cache import as_starts, merge_heads, row_major, split_heads, window_write
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import quant, stacked
+from dinfer_jax.sharding import batch_axes
 from pallas_kernels.attention import attention, target_platform
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -83,7 +84,6 @@ def _shard_kw(mesh, batch: int, kv_heads: int):
     """attention()'s shard_map arguments for the K/V of `batch` rows and `kv_heads` heads on `mesh`."""
     if mesh is None or mesh.size == 1:
         return {}
-    from dinfer_jax.sharding import batch_axes
     heads = ("model",) if mesh.shape["model"] > 1 and whole_kv_heads(mesh, kv_heads) else ()
     return dict(mesh=mesh, batch_axes=batch_axes(batch, mesh), head_axes=heads)
 

@@ -33,8 +33,10 @@ import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import stacked
+from dinfer_jax.models.expert_parallel import moe_expert_parallel
 from dinfer_jax.models.layers import MLP, param
 from dinfer_jax.models.quant import QuantizedWeight, expert_matmul, matmul, ragged_matmul
+from dinfer_jax.sharding import batch_axes
 from pallas_kernels.attention import target_platform
 from pallas_kernels.moe import swiglu_experts_gmm, swiglu_experts_tiled
 
@@ -195,8 +197,6 @@ class MoE(nn.Module):
         if impl != "tiled" or multi_device:  # only the one-device tiled scan reads the layer stack itself
             wg, wu, wd = (stacked.resolve(w) for w in (wg, wu, wd))
         if multi_device:
-            from dinfer_jax.models.expert_parallel import moe_expert_parallel
-            from dinfer_jax.sharding import batch_axes
             y = moe_expert_parallel(x_TD, rp, wg, wu, wd, mesh=self.mesh, token_axes=batch_axes(B, self.mesh),
                                     route_fn=lambda x, p: route_model(x, p, c), local_experts_fn=fn)
         else:

@@ -108,7 +108,7 @@ class Transformer(nn.Module):
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
-    mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with sharding.param_shardings)
+    mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with models.placement.param_shardings)
     attention_block: int = 0  # block-causal models: attention block size (0: cfg.block_size)
     platform: str | None = None  # compile target: "cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None = jax.default_backend()
 
