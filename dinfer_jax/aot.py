@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import jax.extend  # noqa: F401  (jax.extend.core.{Jaxpr, ClosedJaxpr} for the jaxpr walk)
 import jax.numpy as jnp
-import numpy as np
 
 from dinfer_jax.cache import cache_shape
 from dinfer_jax.config import ModelConfig
