@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dinfer_jax import load_model  # noqa: E402
 from dinfer_jax.checkpoint import DEMO_MODEL_DIR  # noqa: E402
-from dinfer_jax.continuous import repack_size  # noqa: E402
+from dinfer_jax.serving.continuous import repack_size  # noqa: E402
 from dinfer_jax.decoding.segments import RunningBatch, abstract_state  # noqa: E402
 from dinfer_jax.engine import SamplingParams, generate  # noqa: E402
 from dinfer_jax.tasks import sample  # noqa: E402

@@ -42,7 +42,7 @@ class InProcessServer:
 
     def __init__(self, model, tok, cfg, chat_formatter=None):
         import uvicorn
-        from dinfer_jax.server import create_app
+        from dinfer_jax.serving.http import create_app
         self.port = _free_port()
         self.app = create_app(model, tok, cfg, chat_formatter)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -185,7 +185,7 @@ def run(rate=40.0, duration=20.0, drain=60.0, mix=(16, 32, 64), schedulers=("sta
     from dinfer_jax import tasks as T
     from dinfer_jax.checkpoint import DEMO_MODEL_DIR
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import ServerConfig
+    from dinfer_jax.serving.scheduler import ServerConfig
     from dinfer_jax.tokenizer import load_tokenizer
     tok = load_tokenizer(DEMO_MODEL_DIR)
     prompts = [p["prompt"] for p in T.sample(256, seed=seed)]
@@ -219,7 +219,7 @@ def run_closed(levels=(1, 8, 64, 200), duration=20.0, drain=60.0, mix=(16, 32, 6
     from dinfer_jax import tasks as T
     from dinfer_jax.checkpoint import DEMO_MODEL_DIR
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import ServerConfig
+    from dinfer_jax.serving.scheduler import ServerConfig
     from dinfer_jax.tokenizer import load_tokenizer
     tok = load_tokenizer(DEMO_MODEL_DIR)
     prompts = [p["prompt"] for p in T.sample(256, seed=seed)]

@@ -936,7 +936,8 @@ def cmd_serve(a):
     except ImportError:
         raise ValueError("serve needs FastAPI and uvicorn: pip install 'dinfer-jax[serve]'") from None
     from dinfer_jax import compile_cache
-    from dinfer_jax.server import ServerConfig, serve
+    from dinfer_jax.serving.scheduler import ServerConfig
+    from dinfer_jax.serving.http import serve
     model_dir = _model_dir(a)
     defaults = _serve_defaults(a, model_dir)
     if a.steps is not None and a.steps > a.max_steps:

@@ -19,6 +19,7 @@ from dinfer_jax.config import ConfigError
 from dinfer_jax.canvas_template import CanvasTemplate, template_classes, template_gen_length, template_region
 from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
+from dinfer_jax.decoding.prefix_cache import PrefixCache
 from dinfer_jax.decoding.loop import (CACHES, KNOBS, LOGPROB_BUCKETS, ROW_KNOBS, DecodeSpec, bucket_gen_length,
                                       generate_loop, joins_program, logprob_bucket, program_spec, refresh_rows_for,
                                       same_program)
@@ -448,7 +449,6 @@ class Generator:
         """prefix_cache_bytes > 0: a prompt prefix cache of that many bytes for block-causal models'
         continuous batches (decoding/prefix_cache.py; the server sets it). max_programs: compiled
         programs kept (least recently used dropped first; program_cache.py says why)."""
-        from dinfer_jax.decoding.prefix_cache import PrefixCache
         self.model = model
         self.compiles = 0
         self._warm: set = set()  # continuous-batch programs compiled ahead (warm_segment_programs)
@@ -456,6 +456,10 @@ class Generator:
         self._movers = ProgramCache(max_programs, on_evict=lambda key: self._movers_warm.discard(key))
         self._movers_warm: set = set()  # row movers compiled ahead (warm_move_program)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+
+    def set_prefix_cache(self, nbytes: int):
+        """A fresh prompt prefix cache of `nbytes` (0: off) for the continuous batches built after."""
+        self.prefix_cache = PrefixCache(nbytes)
 
     @property
     def programs(self) -> ProgramCache:

@@ -67,7 +67,8 @@ def client(demo):
     from fastapi.testclient import TestClient
 
     from dinfer_jax.chat import ChatFormatter
-    from dinfer_jax.server import ServerConfig, create_app
+    from dinfer_jax.serving.scheduler import ServerConfig
+    from dinfer_jax.serving.http import create_app
     from dinfer_jax.tokenizer import load_tokenizer
     cfg = ServerConfig(model_name="demo_model", default_params=SamplingParams(gen_length=16, block_length=16),
                        default_max_tokens=16)

@@ -190,7 +190,7 @@ def test_block_knobs_through_cli_and_server_names(tmp_path):
         SamplingParams(cache="none", top_p=0.5).validate()
     with pytest.raises(InvalidParam, match="editing_threshold"):
         SamplingParams(cache="block", editing_threshold=1.5)
-    from dinfer_jax.server import DinferFields
+    from dinfer_jax.serving.http import DinferFields
     assert {"editing_threshold", "max_post_steps", "num_to_transfer", "top_k"} <= set(DinferFields.model_fields)
 
 
@@ -199,7 +199,9 @@ def test_server_block_diffusion_request(model):
     knob with another cache answers 400 naming it."""
     from fastapi.testclient import TestClient
 
-    from dinfer_jax.server import ServerConfig, create_app
+    from dinfer_jax.serving.scheduler import ServerConfig
+
+    from dinfer_jax.serving.http import create_app
     body = dict(prompt=PROMPTS[0], max_tokens=16, block_length=8, cache="block", threshold=0.3,
                 editing_threshold=0.3, max_post_steps=3)
     want = generate(model, [PROMPTS[0]], SamplingParams(gen_length=16, block_length=8, cache="block", threshold=0.3,
@@ -382,7 +384,7 @@ def test_indel_validation(model, indel_model):
     import argparse
 
     from dinfer_jax import cli
-    from dinfer_jax.server import DinferFields
+    from dinfer_jax.serving.http import DinferFields
     ap = argparse.ArgumentParser()
     cli._add_decoding_flags(ap)
     assert cli._explicit_flags(ap.parse_args(["--cache", "block", "--indel", "--edit-mode", "speed"])) == dict(

@@ -36,9 +36,9 @@ def test_a_row_cancelled_mid_decode_is_evicted_and_its_slot_reused():
 
     from demo_helpers import demo as load
 
-    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.serving.continuous import ContinuousBatcher
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.serving.scheduler import Job, ServerConfig
     model, tok = load()
     long = SamplingParams(gen_length=128, block_length=8, strategy="fixed", steps=128, cache="dual", early_stop=False)
     b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="demo", max_batch=4), segment=1)
@@ -77,9 +77,9 @@ def test_prefix_cache_hits_show_in_stats_and_metrics():
 
     from dinfer_jax import load_model
     from dinfer_jax.checkpoint import DEMO_BLOCK_MODEL_DIR
-    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.serving.continuous import ContinuousBatcher
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.serving.scheduler import Job, ServerConfig
     from dinfer_jax.tokenizer import load_tokenizer
     model, tok = load_model(DEMO_BLOCK_MODEL_DIR), load_tokenizer(DEMO_BLOCK_MODEL_DIR)
     sp = SamplingParams(gen_length=16, block_length=4, cache="block", threshold=0.7)
@@ -116,9 +116,9 @@ def test_a_new_programs_compile_never_stalls_running_rows():
 
     from demo_helpers import demo as load
 
-    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.serving.continuous import ContinuousBatcher
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.serving.scheduler import Job, ServerConfig
     model, tok = load()
     gen = model.generator
     long = SamplingParams(gen_length=128, block_length=8, strategy="fixed", steps=128, cache="dual", early_stop=False)
@@ -184,9 +184,9 @@ def test_a_job_never_waits_for_a_compile_that_a_ready_program_makes_unnecessary(
 
     from demo_helpers import demo as load
 
-    from dinfer_jax.continuous import ContinuousBatcher
+    from dinfer_jax.serving.continuous import ContinuousBatcher
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.serving.scheduler import Job, ServerConfig
     model, tok = load()
     gen = model.generator
     short = SamplingParams(gen_length=16, block_length=8, cache="dual", threshold=0.8)
@@ -240,10 +240,10 @@ def test_a_drained_batch_moves_its_rows_into_a_smaller_one():
 
     from demo_helpers import demo as load
 
-    from dinfer_jax.continuous import ContinuousBatcher, repack_size
+    from dinfer_jax.serving.continuous import ContinuousBatcher, repack_size
     from dinfer_jax.decoding.segments import abstract_state
     from dinfer_jax.engine import SamplingParams
-    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.serving.scheduler import Job, ServerConfig
     assert repack_size(1, 0, [4], 4) == 1 and repack_size(3, 0, [4], 4) is None
     assert repack_size(2, 2, [16], 16) == 4 and repack_size(5, 0, [4, 4], 8) == 8 and repack_size(5, 0, [8], 8) is None
     assert repack_size(3, 0, [4, 8], 16) == 4 and repack_size(0, 3, [8], 8) is None

@@ -284,10 +284,11 @@ def test_server_body_takes_dreams_fields():
     """The OpenAI-compatible body accepts strategy "dream" with alg / alg_temp / eps; a bad value
     is an InvalidParam naming the field (the server answers 400 with it). No compile."""
     pytest.importorskip("fastapi")
-    from dinfer_jax.server import CommonFields, derive_params
+    from dinfer_jax.serving.http import CommonFields
+    from dinfer_jax.serving.scheduler import derive_params
     d = SamplingParams.for_model(CFG, gen_length=32)
     body = CommonFields(strategy="dream", alg="topk_margin", alg_temp=0.2, eps=0.01, max_tokens=16)
-    from dinfer_jax.server import DinferFields
+    from dinfer_jax.serving.http import DinferFields
     upd = {k: getattr(body, k) for k in DinferFields.model_fields if getattr(body, k) is not None}
     p = derive_params(d, upd, 16)
     assert (p.strategy, p.alg, p.alg_temp, p.eps, p.gen_length, p.block_length) == ("dream", "topk_margin", 0.2, 0.01,

@@ -207,7 +207,8 @@ def test_sub_block_cache_bad_input_names_the_field():
     assert got["sub_block_cache"] is True and got["sub_block_length"] == 4
     assert "sub_block_cache" not in cli._explicit_flags(ap.parse_args([]))
     pytest.importorskip("pydantic")
-    from dinfer_jax.server import DinferFields, derive_params
+    from dinfer_jax.serving.http import DinferFields
+    from dinfer_jax.serving.scheduler import derive_params
     assert "sub_block_cache" in DinferFields.model_fields
     body = DinferFields(cache="block", sub_block_length=4, sub_block_cache=True)
     upd = {k: getattr(body, k) for k in DinferFields.model_fields if getattr(body, k) is not None}

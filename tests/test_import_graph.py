@@ -1,7 +1,6 @@
 """The project's import graph (dinfer_jax, pallas_kernels, converters): every import statement,
-module level or inside a function, is an edge (except under `if TYPE_CHECKING:`). Import circles may only shrink: each strongly
-connected component must lie inside one of KNOWN_CIRCLES (those left for the redesign, issue 29),
-so a new circle fails here, and a circle that is gone must be removed from the list."""
+module level or inside a function, is an edge (except under `if TYPE_CHECKING:`). There is no
+import circle among the project's modules, and none may appear."""
 from __future__ import annotations
 
 import ast
@@ -11,13 +10,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("dinfer_jax", "pallas_kernels", "converters")
-
-# Left for issue 29's later steps (placement out of sharding.py, a
-# serving package): remove a set as soon as its circle is broken.
-KNOWN_CIRCLES = [
-    {"dinfer_jax.continuous", "dinfer_jax.server"},
-]
-
 
 def modules() -> dict[str, str]:
     out = {}
@@ -110,13 +102,9 @@ def test_circle_finder_finds_circles():
 
 
 @pytest.mark.smoke
-def test_import_circles_only_shrink():
+def test_no_import_circle():
     found = circles(graph(modules()))
-    for comp in found:
-        assert any(comp <= known for known in KNOWN_CIRCLES), f"a new import circle: {sorted(comp)}"
-    for known in KNOWN_CIRCLES:
-        assert known in found, (f"the circle {sorted(known)} is gone or smaller: update KNOWN_CIRCLES to "
-                                f"{[sorted(c) for c in found]}")
+    assert not found, f"import circles: {[sorted(c) for c in found]}"
 
 
 @pytest.mark.smoke

@@ -38,7 +38,7 @@ httpx = pytest.importorskip("httpx")
 from bench.serve_load import InProcessServer  # noqa: E402
 from demo_helpers import demo  # noqa: E402
 
-from dinfer_jax.server import ServerConfig  # noqa: E402
+from dinfer_jax.serving.scheduler import ServerConfig  # noqa: E402
 
 PROMPT = "add 123+045="  # the demo model answers 0168
 
@@ -137,7 +137,7 @@ def _engine_answer(s, body, logprobs):
     """What the library decodes for the same request (tested against the host-loop reference in
     tests/test_engine.py): the server's derived SamplingParams, generate() on the prompt alone."""
     from dinfer_jax.engine import generate
-    from dinfer_jax.server import derive_params
+    from dinfer_jax.serving.scheduler import derive_params
     model, tok = demo()
     keys = ("block_length", "ignore_eos")
     p = derive_params(ServerConfig(model_name="demo").default_params,
@@ -246,7 +246,7 @@ MASK_TEXT = "<|mdm_mask|>"  # the demo tokenizer's mask token
 def test_canvas_object_shape():
     import numpy as np
 
-    from dinfer_jax.server import CanvasView, canvas_object
+    from dinfer_jax.serving.scheduler import CanvasView, canvas_object
     from dinfer_jax.tokenizer import char_tokenizer
     tok = char_tokenizer()
     eos, mask = 0, 1

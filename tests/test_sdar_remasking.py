@@ -251,7 +251,8 @@ def test_cli_flag_and_server_field():
     assert "eb_threshold" not in cli._explicit_flags(ap.parse_args([]))
     assert ap.parse_args(["--strategy", "sequential"]).strategy == "sequential"
     pytest.importorskip("pydantic")
-    from dinfer_jax.server import DinferFields, derive_params
+    from dinfer_jax.serving.http import DinferFields
+    from dinfer_jax.serving.scheduler import derive_params
     f = DinferFields(strategy="entropy_bounded", eb_threshold=0.5, cache="block")
     upd = {k: getattr(f, k) for k in DinferFields.model_fields if getattr(f, k) is not None}
     p = derive_params(SamplingParams(block_length=4), upd, 8)
@@ -268,7 +269,9 @@ def test_server_request_decodes_as_generate(model):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from dinfer_jax.server import ServerConfig, create_app
+    from dinfer_jax.serving.scheduler import ServerConfig
+
+    from dinfer_jax.serving.http import create_app
     p = SamplingParams(gen_length=G, block_length=4, cache="block", strategy="entropy_bounded", steps=4,
                        eb_threshold=1.0)
     want = generate(model, [PROMPTS[0]], p)

@@ -44,7 +44,8 @@ def served(tmp_path_factory):
     from dinfer_jax.families import preset, to_hf_dict
     from dinfer_jax.model import load_model
     from dinfer_jax.models import init_params
-    from dinfer_jax.server import ServerConfig, create_app
+    from dinfer_jax.serving.scheduler import ServerConfig
+    from dinfer_jax.serving.http import create_app
     from dinfer_jax.tokenizer import load_tokenizer
 
     folder = str(tmp_path_factory.mktemp("served") / "model")
@@ -227,7 +228,8 @@ class _HeldGenerator:
 
 
 def _held_app(model, tok, **kw):
-    from dinfer_jax.server import ServerConfig, create_app
+    from dinfer_jax.serving.scheduler import ServerConfig
+    from dinfer_jax.serving.http import create_app
     gen = _HeldGenerator(model.config)
     fake = types.SimpleNamespace(config=model.config, generator=gen)
     app = create_app(fake, tok, ServerConfig(model_name="tiny", batch_wait_s=0.0, scheduler="static", **kw))
@@ -309,7 +311,7 @@ def test_deadline_answers_504_and_drops_the_queued_request(served):
 
 def _start(app):
     """A uvicorn server for `app` in a thread -> (url, server, thread)."""
-    from dinfer_jax.server import make_server
+    from dinfer_jax.serving.http import make_server
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -594,8 +596,8 @@ def test_serve_process_warmup_then_sigterm_exits_cleanly(tmp_path):
 
 def test_continuous_scheduler_drops_cancelled_jobs_and_reports_seed(served):
     """The continuous scheduler (default) never starts a cancelled queued job; answers carry the seed."""
-    from dinfer_jax.continuous import ContinuousBatcher
-    from dinfer_jax.server import Job, ServerConfig
+    from dinfer_jax.serving.continuous import ContinuousBatcher
+    from dinfer_jax.serving.scheduler import Job, ServerConfig
     _, model, tok, *_ = served
     b = ContinuousBatcher(model.generator, tok, ServerConfig(model_name="tiny", max_batch=4), segment=8)
     spec = PARAMS.spec(model.config.mask_token_id, model.config.eos_id)

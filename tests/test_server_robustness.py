@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from bench.serve_load import InProcessServer  # noqa: E402
 from demo_helpers import demo  # noqa: E402
 
-from dinfer_jax.server import ServerConfig, derive_params  # noqa: E402
+from dinfer_jax.serving.scheduler import ServerConfig, derive_params  # noqa: E402
 
 PROMPT = "add 123+045="
 
@@ -146,7 +146,7 @@ def test_block_model_rejections_and_startup_checks():
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "cache": "dual"},
                        timeout=300)
         assert r.status_code == 200, r.text
-    from dinfer_jax.server import create_app
+    from dinfer_jax.serving.http import create_app
     with pytest.raises(ValueError, match="--prefix-cache-mb 1e\\+06 .* does not fit"):
         create_app(model, tok, ServerConfig(model_name="x", prefix_cache_mb=1e6))
     with pytest.raises(ValueError, match="--default-max-tokens 4096 leaves no room"):

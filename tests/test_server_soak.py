@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 from bench.serve_load import InProcessServer  # noqa: E402
 from demo_helpers import demo  # noqa: E402
 
-from dinfer_jax.server import ServerConfig, derive_params  # noqa: E402
+from dinfer_jax.serving.scheduler import ServerConfig, derive_params  # noqa: E402
 
 SOAK_SECONDS = 30.0
 CONCURRENCY = 32

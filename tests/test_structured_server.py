@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from bench.serve_load import InProcessServer  # noqa: E402
 from demo_helpers import demo  # noqa: E402
-from dinfer_jax.server import ServerConfig  # noqa: E402
+from dinfer_jax.serving.scheduler import ServerConfig  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"sum": {"type": "integer"}, "ok": {"type": "boolean"},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},

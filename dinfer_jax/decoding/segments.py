@@ -165,6 +165,11 @@ class RunningBatch:
         # The server's compile thread: when set, a prefix prefill width not yet compiled is compiled
         # there (background(spec, gen_start, B, width)) and this admission prefills in full instead.
         self.background = None
+        # The scheduler's bookkeeping (serving/continuous.py): jobs assigned while the programs
+        # compile, the Future of that compile (None: ready), and whether the batch failed.
+        self.waiting: list = []
+        self.compiling = None
+        self.failed = False
         self._keys: dict[int, list] = {}
         self.state = None
         self.segments = 0

@@ -1,7 +1,7 @@
 """The server's continuous-batching scheduler (first done, first out).
 
-`ContinuousBatcher` has the static `server.Batcher`'s interface (submit / close / snapshot) and
-its job plumbing, but decodes with `decoding/segments.RunningBatch`es: the one-jit loop runs in
+`ContinuousBatcher` shares the static scheduler's interface (submit / close / snapshot) and
+job plumbing (scheduler.Scheduler), but decodes with `decoding/segments.RunningBatch`es: the one-jit loop runs in
 segments of at most `segment` iterations (a segment also ends as soon as some row finishes);
 between segments, finished rows are answered and waiting requests take the freed slots. A short
 request no longer waits for the longest one in its batch, and a request arriving mid-batch starts
@@ -37,7 +37,7 @@ row runs); stream_canvas jobs also get their canvas when it changed since the la
 read of the rows' step counters, only while such a row runs).
 
 Templated jobs (a canvas template: infill suffix, response_format / structured_outputs) run as
-whole static batches (`Batcher._decode`, grouped by compiled settings) between segments: their
+whole static batches (`Scheduler._decode`, grouped by compiled settings) between segments: their
 program carries the per-position token sets, which the running batches' programs do not; while
 one runs, the running batches wait for it (a known cost, bounded by one templated generation).
 """
@@ -52,7 +52,7 @@ import numpy as np
 from dinfer_jax.decoding.segments import RunningBatch, abstract_state
 from dinfer_jax.decoding.rows import row_record
 from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, same_program
-from dinfer_jax.server import Batcher, Cancelled, log
+from dinfer_jax.serving.scheduler import Cancelled, Scheduler, log
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)
 LINEAR_PROMPT_BUCKETS = 4  # prompt buckets: PROMPT_BUCKET multiples up to 4 of them, then powers of two
@@ -81,16 +81,15 @@ def repack_size(rows: int, queued: int, slots: list[int], max_batch: int) -> int
     return size if sum(slots) >= 2 * size or (len(slots) > 1 and sum(slots) >= size) else None
 
 
-class ContinuousBatcher(Batcher):
+class ContinuousBatcher(Scheduler):
     """Continuous batching over RunningBatches (module doc). One scheduler thread."""
     EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted", "stopped_early",
                    "repacked")
 
     def __init__(self, generator, tokenizer, cfg, segment: int = DEFAULT_SEGMENT, max_programs: int = 4):
-        from dinfer_jax.decoding.prefix_cache import PrefixCache
         self.segment, self.max_programs = segment, max_programs
         block_causal = generator.model.config.attention_mask == "block_causal"  # the only exact reuse
-        generator.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 2 ** 20) if block_causal else 0)
+        generator.set_prefix_cache(int(cfg.prefix_cache_mb * 2 ** 20) if block_causal else 0)
         self.batches: list = []
         self.templated: list = []  # jobs with a canvas template: decoded as whole static batches (module doc)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dinfer-compile")
@@ -149,7 +148,7 @@ class ContinuousBatcher(Batcher):
                                        f"watchdog bound of {self.cfg.compile_watchdog_s:g}s")
 
     def close(self, compile_wait_s: float = 120.0):
-        """Stop the scheduler (server.Batcher.close), then wait up to compile_wait_s for a background
+        """Stop the scheduler (Scheduler.close), then wait up to compile_wait_s for a background
         compile still running: nothing of this server compiles after it is closed."""
         super().close()
         self._compiler.shutdown(wait=False, cancel_futures=True)
@@ -180,14 +179,11 @@ class ContinuousBatcher(Batcher):
     def _adopt(self, rb):
         """A new RunningBatch made ready for the scheduler (its programs compiled in the background)."""
         rb.background = self._compile_async
-        rb.waiting = []  # jobs assigned to this batch while its programs compile
-        rb.compiling = None
-        rb.failed = False
         if not self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
             rb.compiling = self._compile_async(rb.spec, rb.gen_start, rb.B)
         return rb
 
-    # ---- --warmup (server.Batcher._main calls these before the first job)
+    # ---- --warmup (Scheduler._main calls these before the first job)
 
     def _warmup_sizes(self) -> list[int]:
         """The batch sizes `_pick` creates: powers of two up to max_batch, and max_batch."""
@@ -228,7 +224,7 @@ class ContinuousBatcher(Batcher):
     def _pick(self):
         """Under the lock: pop the pending jobs that can start now -> ([(RunningBatch, [jobs])],
         [(job, exception)] for jobs that cannot be planned at all: they fail alone)."""
-        self._drop(self._purge_locked())  # cancelled / expired jobs never start (server.Batcher)
+        self._drop(self._purge_locked())  # cancelled / expired jobs never start (Scheduler)
         plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
         free = {id(rb): len(rb.free) - len(rb.waiting) for rb in self.batches}
         rest, new_batches, bad = collections.deque(), [], []
