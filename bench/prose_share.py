@@ -41,7 +41,7 @@ def main(argv=None):
     doc, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
     print(f"docstring lines {doc} of {total} non-blank lines: {100 * doc / total:.1f}%")
     for d, n, p in sorted(rows, reverse=True)[:a.files]:
-        print(f"{d:5d} {n:6d} {100 * d / n:5.1f}% {p}")
+        print(f"{d:5d} {n:6d} {100 * d / max(n, 1):5.1f}% {p}")
 
 
 if __name__ == "__main__":

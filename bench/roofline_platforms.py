@@ -16,10 +16,10 @@ No hardware is measured and no model is compiled: everything is arithmetic over 
 Canvas (stated, the loop's layout from bench/roofline.py's `canvas_layout`): prompt 256 (bucketed to
 a multiple of 32: gen_start 256) + gen 256, canvas L = 512.
 Forwards per model (the decoding loop's default cache per family):
-  llada-moe-7b-a1b: dual cache, block 64 (dInfer's LLaDA-MoE setting, benchmarks_and_users.md:13):
+  llada-moe-7b-a1b: dual cache, block 64 (dInfer's LLaDA-MoE setting, docs/facts/benchmarks.md section 3):
       "full"  full refresh at block entry, q = kv = L, logits for the block (its logits decode too);
       "dual"  window forward, q = block, keys over L (cache read for the rest).
-  llada-8b: dual cache, block 32 (LLaDA / Fast-dLLM default, decoding.md:244): same two kinds.
+  llada-8b: dual cache, block 32 (LLaDA / Fast-dLLM default, docs/facts/decoding.md C2): same two kinds.
   llada2-mini: block diffusion (decoding/block_loop.py), block 32 (the model's block size):
       "block"  one block of 32 over the exact prefix cache: q = 32, kv = gen_start + (j+1) * 32, the
                mean over the 8 blocks j (block-causal: no keys after the block);
@@ -60,7 +60,7 @@ if ROOT not in sys.path:
 from bench.roofline import canvas_layout, forward_cost, window_shapes  # noqa: E402
 from dinfer_jax.families import preset  # noqa: E402
 
-REF = "/work/shared/reference"
+REF = "docs/facts"
 
 # ---------------------------------------------------------------------------------------------
 # Spec sheets (dense figures, per chip). peak: ops/s per weight format where the matrix unit runs it
@@ -106,29 +106,29 @@ MODELS = {
     "llada-moe-7b-a1b": dict(
         cache="dual", block=64, tpf=4.24,
         tpf_source=("ASSUMED: dInfer's per-benchmark TPF for LLaDA-MoE is in its paper's tables, not in the "
-                    "reference files (benchmarks_and_users.md:34-35). Proxy: Fast-dLLM's 4.24 tokens/step at "
-                    "threshold 0.8 (LLaDA-8B, GSM8K-256; decoding.md:239), dInfer's threshold for LLaDA-MoE being "
-                    "0.8 (benchmarks_and_users.md:13-14).")),
+                    "reference files (docs/facts/benchmarks.md section 3). Proxy: Fast-dLLM's 4.24 tokens/step at "
+                    "threshold 0.8 (LLaDA-8B, GSM8K-256; docs/facts/decoding.md C2), dInfer's threshold for LLaDA-MoE being "
+                    "0.8 (docs/facts/benchmarks.md section 3).")),
     "llada-8b": dict(
         cache="dual", block=32, tpf=3.25,
-        tpf_source="Fast-dLLM, threshold 0.9, LLaDA-8B GSM8K-256: 3.25 tokens/step (decoding.md:239; Fig. 5)."),
+        tpf_source="Fast-dLLM, threshold 0.9, LLaDA-8B GSM8K-256: 3.25 tokens/step (docs/facts/decoding.md C2; Fig. 5)."),
     "llada2-mini": dict(
         cache="block", block=32, tpf=5.3,
-        tpf_source=("LLaDA2.1-mini S-mode reported average TPF about 5.3 (2.0-mini: 2.6) (models.md:257); "
+        tpf_source=("LLaDA2.1-mini S-mode reported average TPF about 5.3 (2.0-mini: 2.6) (docs/facts/models.md B6); "
                     "tokens/s scale linearly with TPF (x 0.49 for 2.6).")),
 }
 
-# Published end-to-end figures to set beside the floors (grep of /work/shared/reference).
+# Published end-to-end figures to set beside the floors (docs/facts/benchmarks.md).
 PUBLISHED = [
     dict(system="dInfer, LLaDA-MoE-7B-A1B", hw="8x H800, batch 1", tok_s=1011, what="HumanEval TPS",
-         ref="benchmarks_and_users.md:23 (also :5-14: gen 1024, block 64, threshold 0.8, dual cache)"),
+         ref="benchmarks.md section 3 (gen 1024, block 64, threshold 0.8, dual cache)"),
     dict(system="dInfer, LLaDA-MoE-7B-A1B", hw="8x H800, batch 1", tok_s=681, what="average TPS over 6 benchmarks",
-         ref="benchmarks_and_users.md:23"),
+         ref="benchmarks.md section 3"),
     dict(system="Fast-dLLM, LLaDA-8B-Instruct", hw="1x A100 80GB, batch 1", tok_s=54.4, what="GSM8K 5-shot, gen 256",
-         ref="decoding.md:250"),
+         ref="benchmarks.md C3"),
 ]
-SGLANG_NOTE = ("SGLang LLaDA2.1-mini throughput: no figure in /work/shared/reference (grep for SGLang finds its "
-               "algorithms and defaults only, llada2_and_dream.md:361-398), so none is printed.")
+SGLANG_NOTE = ("SGLang LLaDA2.1-mini throughput: no figure in docs/facts (SGLang appears there with its "
+               "algorithms and defaults only, llada2_and_dream.md section 10), so none is printed.")
 
 
 def platform_peak(plat: dict, fmt: str, weight_only: bool = False) -> tuple[float, bool]:

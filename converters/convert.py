@@ -1,8 +1,5 @@
-"""`dinfer-jax convert SRC_HF_DIR DST_DIR` and `dinfer-jax export DIR HF_DIR`.
-
-Both write into a temporary sibling of the destination and rename it into place when complete
-(dinfer_jax/atomic.py): a failed or killed run leaves no destination, or the old one untouched; a
-non-empty destination is refused unless `overwrite=True`, which replaces it whole.
+"""`dinfer-jax convert SRC_HF_DIR DST_DIR` and `dinfer-jax export DIR HF_DIR`, both written atomically
+(a non-empty destination is refused unless `overwrite=True`; docs/internals/converters.md).
 """
 from __future__ import annotations
 
@@ -30,10 +27,7 @@ def _same_or_inside(a: str, b: str) -> bool:
 def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bool = False,
             quantize: str | None = None) -> dict:
     """HF folder -> dinfer-jax checkpoint, one layer slab in memory at a time, written atomically.
-
-    quantize: None, "int8" or "fp8": the attention projections, dense / shared / expert MLP weights
-    and the LM head are stored quantized (models/quant.py; values + `path@scale` leaves, metadata
-    in the manifest), quantized slab by slab from the source's precision; the other params are
+    quantize: None, "int8" or "fp8" (matmul weights and LM head; models/quant.py); other params are
     cast to `dtype`. Returns {path: shape} of the written params.
     """
     if quantize is not None:
@@ -70,14 +64,9 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
 
 def export(src: str, dst: str, progress: bool = True, overwrite: bool = False,
            max_shard_size: int | str = "5GB") -> list[str]:
-    """dinfer-jax checkpoint -> HF folder (per-expert names), written atomically. Tensors keep their
-    stored dtype, so HF -> dinfer-jax -> HF is bit-exact.
-
-    Sharded as transformers' save_pretrained does: shards of at most `max_shard_size` (bytes, or a
-    string such as "500MB" / "5GB" / "2GiB", see safetensors_io.parse_size; a larger tensor gets a
-    shard of its own), `model-00001-of-0000N.safetensors` + `model.safetensors.index.json`, or one
-    `model.safetensors` without an index when everything fits. Streamed: host memory holds one
-    layer slab per param being written. Returns the weight file names.
+    """dinfer-jax checkpoint -> HF folder (per-expert names, stored dtypes: bit-exact round trip),
+    written atomically and streamed. Sharded like save_pretrained: `max_shard_size` bytes or a string
+    ("500MB", "5GB", "2GiB"; safetensors_io.parse_size). Returns the weight file names.
     """
     max_bytes = parse_size(max_shard_size)
     src = ckpt.check_model_folder(src, "checkpoint folder")
@@ -96,9 +85,8 @@ def export(src: str, dst: str, progress: bool = True, overwrite: bool = False,
 
 
 class _HFTensors:
-    """The HF tensors of a checkpoint: `specs` {name: (dtype, shape)} in table order (a param's
-    layers in order), `read(name)` reading one layer slab per param at a time, `release(name)`
-    after a tensor is written (a param's slab is dropped once all its tensors are)."""
+    """The HF tensors of a checkpoint: `specs` {name: (dtype, shape)} in table order, `read(name)` (one
+    layer slab per param at a time), `release(name)` after a tensor is written."""
 
     def __init__(self, src: str, cfg, man: dict):
         self.src, self.specs, self.where, self.left, self.slabs = src, {}, {}, {}, {}

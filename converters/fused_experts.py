@@ -1,9 +1,6 @@
-"""dInfer's fused-expert layout seen as the standard per-expert names.
-
-dInfer's `tools/transfer.py` stores, per layer, `model.layers.{l}.mlp.w1` (E, 2F, D) = stack over
-experts of cat(gate_proj, up_proj) along dim 0, and `model.layers.{l}.mlp.w2` (E, D, F) = stack of
-down_proj. `FusedExpertsView` presents them as `mlp.experts.{e}.{gate,up,down}_proj.weight`, reading
-one expert slab at a time, so the rest of the converter needs no special case.
+"""dInfer's fused-expert layout (`mlp.w1` (E, 2F, D), `mlp.w2` (E, D, F)) seen as the standard
+per-expert names `mlp.experts.{e}.{gate,up,down}_proj.weight`, read one expert slab at a time
+(docs/internals/converters.md).
 """
 from __future__ import annotations
 

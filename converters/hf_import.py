@@ -1,7 +1,5 @@
-"""Hugging Face folder -> dinfer-jax params, streamed one layer slab at a time.
-
-Peak host memory: one layer slab of a stacked parameter (e.g. one layer's (E, D, F) experts) or one
-unstacked tensor (the embedding), plus its source tensor; sources are read with plain file reads.
+"""Hugging Face folder -> dinfer-jax params, streamed one layer slab at a time (peak host memory: one
+slab or one unstacked tensor, plus its source tensor).
 """
 from __future__ import annotations
 
@@ -61,11 +59,8 @@ def plan(cfg: ModelConfig, src: TensorSource) -> list[tuple[Entry, tuple[int, ..
 
 def iter_params(cfg: ModelConfig, src: TensorSource, dtype=None, progress: bool = True
                 ) -> Iterator[tuple[str, int | None, np.ndarray]]:
-    """Yield (param path, layer, array) slab by slab.
-
-    Params stacked over layers come one layer at a time (layer = 0..L_-1, array without the layer
-    axis); other params whole (layer None). dtype None keeps the checkpoint dtype, else casts.
-    Peak memory: one layer slab (e.g. (E, D, F) experts) or one unstacked tensor, plus its source.
+    """Yield (param path, layer, array) slab by slab: stacked params one layer at a time (layer 0..L_-1,
+    no layer axis), others whole (layer None). dtype None keeps the checkpoint dtype, else casts.
     """
     steps = plan(cfg, src)
     total = sum(int(np.prod(s[0])) * s[1].itemsize for s in src.specs.values())

@@ -1,14 +1,7 @@
-"""The weight-name table engine: dinfer-jax param path <-> Hugging Face tensor names.
-
-Each family module (dinfer_jax/families/) declares a list of `Entry`s. Each says how one dinfer-jax
-parameter (possibly stacked over layers `{l}` and experts `{e}`) is assembled from per-layer /
-per-expert HF tensors ("pieces"). A piece is either copied as is (or reshaped from a flat HF vector,
-`hf_flat`), or is a torch Linear weight
-(out, in) that is transposed to (in, out) and reshaped to the piece's shape: `in_axes` says how
-many leading piece axes form `in` (q_proj (D, N, H): 1; o_proj (N, H, D): 2). A piece may be a row
-range of a fused HF tensor (`rows`, e.g. the query rows of a fused query_key_value): several
-entries then share one HF name, and export concatenates them. The same table drives both
-directions (import and export).
+"""The weight-name table engine: dinfer-jax param path <-> Hugging Face tensor names, both ways.
+Each family declares `Entry`s: one param (stacked over layers `{l}` / experts `{e}`) assembled from
+HF pieces, copied, reshaped (`hf_flat`) or a torch Linear (out, in) transposed (`in_axes` leading
+piece axes form `in`), possibly a row range of a fused tensor (`rows`). docs/internals/converters.md.
 """
 from __future__ import annotations
 

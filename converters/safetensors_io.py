@@ -1,9 +1,6 @@
-"""Minimal streaming safetensors reader/writer on numpy (bf16 via ml_dtypes).
-
-The format: 8-byte little-endian header length n, n bytes of JSON
-{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data.
-Tensors are read one at a time with plain file reads (no mmap), so host memory holds only the
-tensor being copied, and a truncated file is reported from its header before any data is read.
+"""Minimal streaming safetensors reader/writer on numpy (bf16 via ml_dtypes): tensors read one at a
+time with plain file reads; a truncated file is reported from its header (format:
+docs/internals/converters.md).
 """
 from __future__ import annotations
 
@@ -108,9 +105,8 @@ def parse_size(size: int | str) -> int:
 
 
 def plan_shards(sizes: "list[tuple[str, int]]", max_size: int) -> list[list[str]]:
-    """Names grouped into shards as huggingface_hub's split_state_dict_into_shards does: in order,
-    a shard is closed when the next tensor would take it past `max_size`; a tensor larger than
-    `max_size` gets a shard of its own (placed before the shard being filled)."""
+    """Names grouped into shards as huggingface_hub's split_state_dict_into_shards does (a tensor larger
+    than `max_size` gets a shard of its own)."""
     shards, current, current_size = [], [], 0
     for name, nbytes in sizes:
         if nbytes > max_size:

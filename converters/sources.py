@@ -1,9 +1,6 @@
-"""Read a Hugging Face checkpoint folder tensor by tensor.
-
-`open_source(folder)` -> TensorSource over: one or many *.safetensors (with or without
-`model.safetensors.index.json`), or PyTorch `pytorch_model*.bin` (loaded with weights_only=True
-and mmap). `TensorSource.specs` maps every tensor name to (shape, dtype) from the headers alone;
-`read(name)` returns one numpy array; `read_slab(name, i)` returns `tensor[i]` reading only it.
+"""Read a Hugging Face checkpoint folder tensor by tensor: `open_source(folder)` -> TensorSource over
+*.safetensors (indexed or not) or `pytorch_model*.bin`; `specs` {name: (shape, dtype)} from headers,
+`read(name)`, `read_slab(name, i)` = tensor[i] reading only it.
 """
 from __future__ import annotations
 

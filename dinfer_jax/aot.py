@@ -1,15 +1,10 @@
 """Ahead-of-time export of the whole jitted generate program for an accelerator, from any host.
 
 `export_generate(cfg, "tpu" | "cuda" | "cpu", batch=, prompt_len=, sampling=)` builds a Model over
-abstract params (ShapeDtypeStruct: no weights in memory), whose kernels are chosen for that target
-platform (Model.platform), takes the Generator's own jitted program for those prompts and settings
-(`Generator.abstract_program`, the same path `generate` runs), and `jax.export`s it for the platform.
-Returns an ExportReport: the Export, the serialized size, the lowering time, and counts of the
-hardware-kernel custom calls (Mosaic TPU, Triton) and of Pallas kernels left to the interpreter.
-
-On a CPU-only jaxlib this checks what interpret mode does not: the TPU block-shape rules and the
-Pallas-to-Mosaic / Pallas-to-Triton lowerings (not the Mosaic / PTX compilers that run on the
-device, nor VMEM / shared-memory budgets at run time).
+abstract params targeting that platform, takes the Generator's own program and `jax.export`s it ->
+ExportReport (size, lowering time, Mosaic / Triton / interpreted kernel counts). From a CPU host this
+checks the TPU block-shape rules and the Pallas-to-Mosaic / -Triton lowerings (not the device
+compilers or run-time memory budgets; docs/accelerators.md).
 
   python -m dinfer_jax.aot --model llada-8b --platform tpu cuda --cache none dual --batch 1 16 \
       [--mesh data=2,expert=4 --fake-devices 8] [--json OUT.json]   # one table row per export
@@ -63,10 +58,8 @@ class ExportReport:
 
 
 def gpu_target(device_kind: str = GPU_DEVICE_KIND, mesh=None):
-    """Context naming an abstract GPU so Triton kernels lower on a host without one (newer jax needs
-    the compute capability; 0.10 reads it only from a real device and lowers without). Not with a
-    multi-device mesh: shard_map requires the context mesh to be that mesh (whose devices here are
-    CPUs), so there newer jax cannot lower Triton off-GPU (docs/accelerators.md)."""
+    """Context naming an abstract GPU so Triton kernels lower on a host without one (newer jax); not
+    with a multi-device mesh, where newer jax cannot lower Triton off-GPU (docs/accelerators.md)."""
     if not hasattr(jax.sharding, "AbstractDevice") or (mesh is not None and mesh.size > 1):
         return contextlib.nullcontext()
     dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
@@ -155,11 +148,9 @@ def _export(prog, sds, platform: str, mesh, sampling, canvas_shape, static=()) -
 
 
 def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix_width: int | None = None) -> dict:
-    """The continuous-batching programs (decoding/segments.py) the server runs for `batch` slots of
-    prompts up to `prompt_len` tokens, with abstract args: {name: (jitted fn, args, static args)}
-    for "init" (the rows' init; the prefill for block diffusion), "segment" (a bounded stretch of the
-    loop) and, for block diffusion with prefix_width, "init_prefix" (the prefill of the last
-    prefix_width prompt positions over cached prompt K/V)."""
+    """The continuous-batching programs for `batch` slots of prompts up to `prompt_len` tokens:
+    {name: (jitted fn, abstract args, static args)} for "init", "segment" and, for block diffusion
+    with prefix_width, "init_prefix" (decoding/segments.py)."""
     from dinfer_jax.decoding.loop import ROW_KNOBS
     cfg = model.config
     spec = sampling.spec_for(cfg)

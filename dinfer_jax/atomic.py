@@ -3,12 +3,9 @@
     with atomic_folder(dst, overwrite=False) as tmp:
         ... write every file under tmp ...
 
-`dst` either keeps its old content or gets the complete new one: an exception, Ctrl-C or a kill
-never leaves a half-written `dst`. A non-empty `dst` is refused unless `overwrite`, which replaces
-the folder whole (by an atomic exchange where the OS has one, renameat2 RENAME_EXCHANGE on Linux).
-Temporary siblings are named `.NAME.dinfer-tmp-PID-XXXX`; those left by a killed process (its pid
-gone) are removed by the next run on the same destination. `sigint_deferred()` holds Ctrl-C
-until the current step (one orbax save, whose writer threads must not outlive the folder) ends.
+`dst` keeps its old content or gets the complete new one; a non-empty `dst` is refused unless
+`overwrite` (replaced whole). `sigint_deferred()` holds Ctrl-C until the current step ends.
+Details: docs/internals/runtime.md.
 """
 from __future__ import annotations
 
@@ -93,7 +90,7 @@ def check_destination(dst: str, overwrite: bool = False):
 
 @contextlib.contextmanager
 def atomic_folder(dst: str, overwrite: bool = False):
-    """Yield a fresh temporary sibling of `dst`; on success it becomes `dst` (see the module doc)."""
+    """Yield a fresh temporary sibling of `dst`; on success it becomes `dst` (module doc)."""
     dst = os.path.abspath(dst)
     parent, name = os.path.dirname(dst), os.path.basename(dst)
     check_destination(dst, overwrite)

@@ -1,9 +1,6 @@
-"""`dinfer-jax bench`: generation throughput of a model for each batch size x strategy x cache.
-
-Prompts are random token ids (seeded; special ids excluded) of a fixed length. Each setting is
-compiled and run once untimed, then timed `repeats` times; the table reports medians:
-seconds per batch, generated tokens/s (non-EOS tokens of all rows / seconds), forwards (NFE, the
-batch program's iterations) and tokens per forward (TPF, mean over rows).
+"""`dinfer-jax bench`: generation throughput of a model for each batch size x strategy x cache
+(random seeded prompts; one untimed run, then the median of `repeats`: seconds per batch, tokens/s,
+NFE, TPF; docs/internals/demo_model.md).
 """
 from __future__ import annotations
 

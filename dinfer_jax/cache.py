@@ -1,13 +1,8 @@
 """KV cache for bidirectional dLLMs and per-row window read/write ops.
 
-The cache is the pair (k, v), each (layers, B, L, K*H): K/V of every canvas position from the
-last full refresh, heads and head dim merged into one minor dim. That is the layout the attention
-kernel reads ((B, L, K*H) per layer, no relayout); stored as (.., K, H) with a small K, XLA:TPU
-tiles K as the second-minor dim and relays the whole cache out inside the decoding loop
-(docs/accelerators.md, "KV-cache layout"). Window forwards read it and write their fresh window
-K/V into a *copy* used for that forward only (dInfer semantics: only full refreshes persist).
-
-Windows are per row: row b's window is [start_b, start_b + S) with a static S and a traced start.
+The cache is (k, v), each (layers, B, L, K*H) (heads merged: the attention kernel's layout); window
+forwards write their fresh K/V into a copy (only full refreshes persist). Row b's window is
+[start_b, start_b + S), S static. Why this layout: docs/internals/runtime.md, docs/accelerators.md.
 """
 from __future__ import annotations
 
@@ -54,11 +49,7 @@ def empty_cache(num_layers: int, batch: int, length: int, kv_heads: int, head_di
 
 
 def row_major(x):
-    """x pinned to the row-major layout (the cache's: the attention kernel reads it so). Without the
-    pin, XLA:TPU may pick another layout for a layer's fresh K/V (e.g. L minor) and relay out the
-    whole stacked cache inside the loop to match. Used for TPU targets only: elsewhere row-major is
-    the default already, and jax.export does not list the pin's custom call (LayoutConstraint) as
-    stable (dinfer_jax/aot.py allows it for TPU exports)."""
+    """x pinned to the row-major layout (the cache's), for TPU targets only (docs/internals/runtime.md)."""
     return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 

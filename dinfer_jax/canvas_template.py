@@ -1,11 +1,7 @@
 """Canvas templates: the generation region laid out before decoding (infilling, structured output).
-
-A template of T positions is a run of fixed tokens (kept as they are: an infill suffix, a JSON
-skeleton) and slots (masks the decoder fills), each slot position optionally limited to a set of
-token ids. `Generator.generate(..., templates=)` puts it after the prompt, filters every step's
-logits with it inside the jitted loop (decoding/constraint.py) and returns the region's T tokens;
-structured.Constrained renders the answer from them. Builders: `infill_template` (here),
-`json_schema_template` (json_template.py), `regex_template` (regex_template.py).
+A template of T positions is fixed tokens and slots (masks the decoder fills, each position
+optionally limited to a token set); `Generator.generate(..., templates=)` applies it inside the
+jitted loop (docs/structured_output.md).
 """
 from __future__ import annotations
 

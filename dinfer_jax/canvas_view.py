@@ -1,10 +1,6 @@
-"""A live terminal view of diffusion decoding: the generation region of one prompt redrawn after
-every denoising step, masked positions shown as '░', tokens decoded in the current step
-highlighted green, tokens EDITED in the current step (block diffusion with editing: a filled
-token replaced by another) highlighted yellow and counted in the status line.
-`dinfer-jax generate --show-canvas` (only when stderr is a terminal).
-
-It is an observer for `Generator.generate(observer=...)` (decoding/observe.py).
+"""A live terminal view of diffusion decoding (`dinfer-jax generate --show-canvas`): one prompt's
+generation region redrawn after every step, masks as '░', this step's decoded tokens green, edited
+ones yellow. An observer for `Generator.generate(observer=...)` (docs/internals/runtime.md).
 """
 from __future__ import annotations
 

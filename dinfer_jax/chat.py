@@ -1,11 +1,7 @@
-"""Chat templates: messages -> prompt text, as the model was trained.
-
-The model folder's own template wins: `chat_template` in tokenizer_config.json (a string, or a
-list of {name, template} with a "default"), or a `chat_template.jinja` file. It is rendered with
-jinja2 in a sandbox with the variables Hugging Face templates expect (messages,
-add_generation_prompt, bos_token, eos_token, and the other special tokens of the config).
-Without one, the family's documented format (`chat_template` and `bos_token` of its module in
-dinfer_jax/families/) is used. The rendered text is tokenized with add_special_tokens=False (the template already holds them).
+"""Chat templates: messages -> prompt text, as the model was trained. The model folder's own template
+(tokenizer_config.json `chat_template` or chat_template.jinja) wins, rendered with jinja2 in a
+sandbox; else the family's format. The text is tokenized without added special tokens
+(docs/internals/runtime.md).
 """
 from __future__ import annotations
 

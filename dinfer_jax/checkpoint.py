@@ -1,23 +1,8 @@
-"""The dinfer-jax checkpoint folder.
-
-  config.json            the model's Hugging Face config (ModelConfig is derived from it)
-  dinfer_jax.json        {"format": "dinfer-jax", "version": 2, "params": {path: {shape, dtype}},
-                          "quantization": {path: {"kind": "int8"|"fp8", "n_in", "n_out"[, "out_first"]}}}
-                         ("quantization" only in a quantized checkpoint: `path` then holds the
-                         int8 / float8_e4m3fn values and `path@scale` their fp32 scales, see
-                         models/quant.py; loading packs the two into a QuantizedWeight)
-  params/<path>/layer_NNNN/  one orbax checkpoint per layer slab of a layer-stacked parameter
-  params/<path>/all/     one orbax checkpoint for an unstacked parameter   ('/' in path -> '.')
-  tokenizer files        copied from the source folder when present
-
-Version 1 (before 2026-12-04) stored the LM head as `lm_head/kernel` (D, V); version 2 stores
-`lm_head/unembedding` (V, D) (models/transformer.py). A v1 folder loads as is: its manifest is read
-as v2 and the LM head slab is transposed when read (`read_slab`); `upgrade` rewrites it as v2.
-
-One orbax checkpoint per layer slab lets conversion and export stream (host memory holds one
-layer of one parameter, e.g. one layer's (E, D, F) experts, at a time; orbax copies an array
-while saving it, twice for arrays over 2 GiB) and lets a loader restore each slab directly
-into its target sharding.
+"""The dinfer-jax checkpoint folder: config.json, the manifest dinfer_jax.json (format version 2:
+param shapes / dtypes, and "quantization" entries whose values and `path@scale` scales load as a
+QuantizedWeight), params/<path>/{layer_NNNN,all}/ (one orbax checkpoint per layer slab), tokenizer
+files. Version 1 (LM head stored (D, V)) loads as is and `upgrade` rewrites it as v2. Layout and
+rationale: docs/internals/checkpoint.md.
 """
 from __future__ import annotations
 
@@ -93,11 +78,8 @@ def copy_side_files(src: str, dst: str):
 
 
 class CheckpointWriter:
-    """Write params slab by slab: `add(path, layer, array)` ..., then `finish(hf_config)`.
-
-    A param stacked over layers is written one layer at a time (layer = 0..L_-1, array without
-    the layer axis); an unstacked param once with layer None. Host memory: one slab + orbax's copy.
-    """
+    """Write params slab by slab: `add(path, layer, array)` (layer 0..L_-1 without the layer axis, or
+    None for an unstacked param) ..., then `finish(hf_config)`."""
 
     def __init__(self, folder: str):
         if os.path.exists(folder) and os.listdir(folder):
@@ -141,9 +123,8 @@ def _sync_processes(name: str):
 
 
 def save_params(folder: str, params: dict, hf_config: dict, source_folder: str | None = None):
-    """Write an in-memory params tree (nested or flat) as a dinfer-jax checkpoint; params under
-    "layers/" are written one layer slab at a time. Sharded jax.Arrays are saved sharded (each
-    process writes its own shards; nothing is gathered to one host); every process must call this."""
+    """Write an in-memory params tree (nested or flat) as a dinfer-jax checkpoint, one layer slab at a
+    time; sharded jax.Arrays are saved sharded, and every process must call this."""
     from dinfer_jax.models import flatten
     from dinfer_jax.models.quant import unpack_flat
     flat = flatten(params) if any(isinstance(v, dict) for v in params.values()) else params
@@ -166,7 +147,7 @@ def _slab_dir(folder: str, path: str, layer: int | None) -> str:
 
 
 def _v1_as_v2(man: dict) -> dict:
-    """A v1 manifest as v2 (module doc): the LM head entries renamed, their shapes transposed."""
+    """A v1 manifest as v2: the LM head entries renamed, their shapes transposed."""
     old = {v: k for k, v in V1_TRANSPOSED.items()}
     params = {}
     for p, spec in man.get("params", {}).items():
@@ -210,10 +191,8 @@ def _reads_v1_slab(new_dir: str, old_dir: str) -> bool:
 
 
 def upgrade(folder: str) -> bool:
-    """Rewrite a v1 checkpoint folder as v2 in place (its LM head slabs transposed and renamed, the
-    manifest last, then the v1 slabs removed). Returns False when the folder is already v2 (a v1
-    slab an interrupted earlier upgrade left behind is removed then). One process only: run it
-    before a multi-host job, not inside one."""
+    """Rewrite a v1 checkpoint folder as v2 in place; False when it is already v2. One process only
+    (before a multi-host job, not inside one)."""
     if jax.process_count() > 1:
         raise RuntimeError("checkpoint.upgrade rewrites files in place: run it from one process, not a "
                            f"{jax.process_count()}-process job")
@@ -291,9 +270,8 @@ def read_param(folder: str, path: str, sharding=None, dtype=None, manifest: dict
 
 
 def read_params(folder: str, dtype=None, shardings: dict | None = None) -> dict:
-    """Flat {path: array | QuantizedWeight} of every parameter; `shardings` {path: Sharding}
-    places each directly (a quantized param's scale leaf under path@scale). `dtype` converts the
-    float params; quantized values and their fp32 scales are kept as stored."""
+    """Flat {path: array | QuantizedWeight} of every parameter, each placed by `shardings` {path:
+    Sharding} when given; `dtype` converts the float params (quantized leaves kept as stored)."""
     from dinfer_jax.models.quant import pack_flat
     man = read_manifest(folder)
     return pack_flat({p: read_param(folder, p, (shardings or {}).get(p), None if is_quantized_leaf(man, p) else dtype,
@@ -309,9 +287,8 @@ def is_quantized_leaf(man: dict, path: str) -> bool:
 
 
 def generation_defaults(folder: str) -> dict:
-    """Decoding defaults a model folder recommends: the "dinfer_jax" entry of its
-    generation_config.json (e.g. {"gen_length": 16, "block_length": 16}); for a block-causal
-    model without one, its attention block as the block length; {} when nothing applies."""
+    """Decoding defaults a model folder recommends: its generation_config.json "dinfer_jax" entry, else
+    a block-causal model's attention block as block_length; {} when nothing applies."""
     out = {}
     path = os.path.join(folder, "generation_config.json")
     if os.path.isfile(path):

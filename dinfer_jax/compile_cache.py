@@ -1,10 +1,7 @@
-"""JAX's persistent on-disk compilation cache, on by default for the CLI (`generate`, `serve`, ...).
-
-Where: `--compile-cache DIR`, else $DINFER_JAX_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else
-~/.cache/dinfer-jax/jax-compile ($XDG_CACHE_HOME respected); the value "off" disables it. Every
-program is written (no minimum compile time or size), so a second process start reads its
-programs from disk instead of compiling them. `stats()` counts hits / misses / compile seconds in
-this process (jax.monitoring events).
+"""JAX's persistent on-disk compilation cache, on by default for the CLI: `--compile-cache DIR`, else
+$DINFER_JAX_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else ~/.cache/dinfer-jax/jax-compile
+("off" disables it); every program is written. `stats()` counts hits / misses / compile seconds in
+this process (docs/internals/runtime.md).
 """
 from __future__ import annotations
 

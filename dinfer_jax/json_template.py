@@ -1,20 +1,7 @@
-"""JSON schema -> canvas template (structured output that always parses and validates).
-
-The skeleton (braces, keys, quotes, commas) is fixed text in the canvas; every value is a slot
-whose positions take only the tokens its type allows (`token_classes.VocabClasses`), and every slot
-position may also take the pad (EOS), which the renderer strips:
-  integer   W_INT positions of digit tokens; the first may be "-"      -> int (empty: 0)
-  number    integer slot, fixed ".", W_FRAC digit positions           -> float (empty parts: 0)
-  boolean / enum / const: one position per token of the longest candidate, each allowing the
-            candidates' tokens there -> the candidate agreeing with the most positions (first wins)
-  null      fixed "null"
-  string    min(maxLength, W_STR) positions of string-safe tokens, the first minLength without
-            the pad -> the text, cut to maxLength characters (json.dumps escapes it)
-  object    every property, in order: {"key": value, ...}
-  array     maxItems items; those past minItems are dropped when all their slots are empty
-The answer is re-rendered from the decoded slots with json.dumps, so it parses by construction;
-the slot rules above make it validate against the schema. What the template cannot express is
-refused with SchemaError naming the keyword (unbounded arrays, $ref, anyOf, pattern, ...).
+"""JSON schema -> canvas template (structured output that always parses and validates): the skeleton
+is fixed text, every value a slot of the tokens its type allows (plus the pad, EOS), and the answer
+is re-rendered with json.dumps. What the template cannot express raises SchemaError naming the
+keyword. Slot rules per type: docs/structured_output.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,8 @@
-"""An lm-evaluation-harness model backend: `--model dinfer_jax`.
-
-  python -m dinfer_jax.lm_eval_adapter run --model dinfer_jax --model_args pretrained=DIR,strategy=threshold \\
-      --tasks TASK --include_path TASK_DIR
-  (= `lm_eval run ...` with this module imported first; the package also declares the
-  `lm_eval.models` entry point `dinfer_jax`, which lm-eval versions with plugin discovery pick up
-  so that plain `lm_eval --model dinfer_jax` works)
-
-model_args: pretrained (model folder, 'demo' / 'demo-block', or a Hub id ORG/NAME; default the
-built-in demo model), gen_length, block_length, strategy, cache, threshold, low_threshold, factor,
-steps (each unset one: the model's default, SamplingParams.for_model: its family's, then its
-folder's generation_config.json), batch_size, mc_num (Monte-Carlo samples per loglikelihood).
-
-- generate_until: diffusion decoding of gen_length tokens, cut at the request's `until` strings.
-- loglikelihood: the masked-diffusion bound LLaDA's evaluation uses: for each of mc_num draws mask
-  l ~ U{1..n} random continuation tokens (n = continuation length), score the masked ones, weight
-  by n / l; loglikelihood = -mean over draws (a lower bound on log p(continuation | context));
-  is_greedy = the one-forward argmax of the fully masked continuation equals it.
-- loglikelihood_rolling: the same bound on the whole text (empty context).
+"""An lm-evaluation-harness model backend: `--model dinfer_jax` (`python -m dinfer_jax.lm_eval_adapter
+run ...` or the `lm_eval.models` entry point). model_args: pretrained, gen_length, block_length,
+strategy, cache, threshold, low_threshold, factor, steps, batch_size, mc_num. generate_until decodes;
+loglikelihood(_rolling) is LLaDA's Monte-Carlo masked-diffusion bound. Usage and the bound:
+docs/internals/demo_model.md.
 """
 from __future__ import annotations
 

@@ -19,18 +19,15 @@ from dinfer_jax.token_ids import check_token_ids
 
 
 def default_dtype():
-    """fp32 on CPU, bf16 on accelerators (DESIGN.md numerics)."""
+    """fp32 on CPU, bf16 on accelerators (docs/facts/conventions.md numerics)."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
 @dataclass
 class Model:
     """A config plus an explicit params pytree. `logits(ids)` runs the full bidirectional forward.
-
-    With `mesh` (sharding.make_mesh), params are global arrays placed by models.placement.param_shardings
-    (use `with_mesh` or `load_model(..., mesh=)`), the MoE runs expert parallel, and inputs and
-    outputs are placed/gathered for every process.
-    """
+    With `mesh`, params are global arrays (`with_mesh` / `load_model(..., mesh=)`), the MoE runs expert
+    parallel, and inputs / outputs are placed / gathered for every process."""
     config: ModelConfig
     params: dict
     moe_impl: str = "auto"
@@ -140,10 +137,8 @@ class Model:
 
 def load_model(path: str, dtype=None, moe_impl: str = "auto", attention_impl: str = "auto",
                progress: bool = False, mesh=None) -> Model:
-    """Load a dinfer-jax checkpoint (converted by `dinfer-jax convert`) or a plain HF folder
-    (converted on the fly, in memory). dtype: params dtype (default fp32 on CPU, bf16 elsewhere).
-    mesh: place the params on it (a dinfer-jax checkpoint is restored straight into the target
-    shardings, slab by slab, whatever mesh it was saved from)."""
+    """Load a dinfer-jax checkpoint or a plain HF folder (converted in memory). dtype: params dtype
+    (default fp32 on CPU, bf16 elsewhere). mesh: restore the params straight into its shardings."""
     path = ckpt.check_model_folder(path)
     dtype = default_dtype() if dtype is None else dtype
     if mesh is not None and ckpt.is_checkpoint(path):

@@ -1,21 +1,12 @@
 """`dinfer-jax plan`: compile the generate (or serving) programs for a Cloud TPU topology on any
 host, with libtpu's compile-only devices (nothing runs, no TPU attached, no weights read).
 
-`get_topology("v5e:2x2")` -> the topology's compile-only devices and its chip's spec sheet;
-`compile_plan(cfg, topology, mesh_spec, ...)` builds the model over abstract params sharded on a
-mesh over those devices (the Pallas kernels then sit inside shard_map), takes the Generator's own
-program (`Generator.abstract_program`, the path `generate` runs) and runs the real XLA:TPU + Mosaic
-compile. The result (`Plan`) holds per-chip bytes from `memory_analysis()`, flops / bytes accessed
-from `cost_analysis()`, Mosaic calls and collectives read off the compiled HLO, audits of that HLO,
-and a predicted floor: forwards/s = the chip's spec-sheet HBM bandwidth / the bytes a forward must
-read at least per chip (its weight shard and its KV-cache shard), or the chip's bf16 peak / its share of
-the forward's matmul flops when that is slower, tokens/s = forwards/s x batch x TPF.
-`plan(...)` without a mesh picks, of the data x expert x model meshes that divide the model, the
-fitting one with the best predicted floor: the floor needs no compile (`prepare_plan`), so meshes are
-compiled best floor first until one fits (`every_mesh=True` compiles them all).
-
-"Per chip" means per JAX device: one per chip on v5e / v6e / v5p (megacore), two per TPU7x chip
-(each TensorCore is a device; its spec-sheet HBM and bandwidth are halved).
+`get_topology("v5e:2x2")` -> compile-only devices + the chip's spec sheet; `compile_plan(cfg,
+topology, mesh_spec, ...)` compiles the Generator's own program over abstract params sharded on the
+mesh -> `Plan`: per-chip bytes, flops / bytes accessed, Mosaic calls, collectives, HLO audits, and
+a predicted floor (HBM-bandwidth or bf16-peak bound). `plan(...)` without a mesh picks the fitting
+mesh with the best floor. "Per chip" = per JAX device (two per TPU7x chip). What each number means:
+docs/accelerators.md.
 """
 from __future__ import annotations
 
@@ -265,13 +256,9 @@ def host_callbacks(instrs: list[Instr], in_loop_only: bool = True) -> int:
 
 def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int,
                  hidden_size: int = 0) -> list[Instr]:
-    """Copies inside a loop whose result is KV-cache shaped: dims holding the canvas length and either
-    the merged kv_heads*head_dim (the cache's own layout) or both separately, at least one layer's K
-    (or V) shard in elements. When kv_heads*head_dim == hidden_size a merged (B, L, D) copy may be a
-    hidden state, so the merged form then counts from two layers' size up (a stacked cache). Only
-    `copy` ops outside fusions (relayouts that materialise a buffer); async copy-start / copy-done
-    are memory-space prefetches and evictions that XLA's memory space assignment schedules, not a
-    second cache."""
+    """`copy` ops (outside fusions) inside a loop whose result is KV-cache shaped: the canvas length and
+    kv_heads*head_dim (merged or not), at least one layer's K (or V) shard in elements (two layers'
+    when a merged (B, L, D) copy could be a hidden state). Async copy-start / -done are not counted."""
     merged_min = layer_elems * (2 if kv_heads * head_dim == hidden_size else 1)
 
     def kv_shaped(d):
@@ -378,9 +365,8 @@ class Plan:
         return self.main.total <= self.topology.hbm_bytes_per_device
 
     def predicted(self) -> dict:
-        """The floor: a forward takes at least the time to read its weight shard and KV-cache shard
-        from HBM, and at least its share of 2 x active params x batch x window flops at the chip's
-        bf16 peak (attention scores not counted); bound names the larger."""
+        """The floor: max(weight + KV-cache shard bytes / HBM bandwidth, 2 x active params x batch x window
+        flops share / bf16 peak; attention scores not counted); bound names the larger."""
         topo = self.topology
         per_fwd = self.param_bytes + self.kv_bytes
         flops = self.forward_flops / len(topo.devices)
@@ -394,10 +380,8 @@ class Plan:
                 "bf16_flops_per_s": topo.chip.bf16_flops_per_s / topo.chip.devices_per_chip, "source": topo.chip.source}
 
     def audits(self) -> dict:
-        """Checks of the compiled HLO (all programs): no host callback inside a loop; no copy inside
-        the decoding loop of a KV-cache-shaped buffer of one layer's K (or V) shard or more (the cache
-        is updated in place, not relaid out; kv_copy_bytes sums those copies' sizes); no all-gather of a full expert stack (expert parallelism
-        moves tokens, not weights)."""
+        """Checks of the compiled HLO (all programs): no host callback inside a loop; no KV-cache-shaped
+        copy inside the decoding loop (kv_copy_bytes sums them); no all-gather of a full expert stack."""
         instrs = [i for c in self.programs.values() for i in c.instrs]
         kv_layer = self.kv_bytes // (2 * self.layers)  # one layer's K (or V) shard
         big_gather = largest(instrs, ("all-gather", "all-gather-start"))
@@ -492,13 +476,10 @@ def compile_plan(cfg: ModelConfig, topo: Topology, mesh_spec, **kw) -> Plan:
 
 def plan(cfg: ModelConfig, topology: str, mesh_spec=None, *, find_batch: bool = True, every_mesh: bool = True,
          **kw) -> dict:
-    """Compile for the topology on `mesh_spec` (or every mesh that divides the model: the fitting one
-    with the best predicted tokens/s is chosen) -> the chosen Plan's JSON plus "meshes" (one row each);
-    a model that fits no mesh: fits false and "reason". find_batch: also compile at twice the batch
-    and report the largest power-of-two batch the per-chip total extrapolates to within HBM.
-    every_mesh=False: the same choice with fewer compiles. The floor needs no compile, so meshes are
-    compiled best floor first until one fits; a mesh whose param shard alone exceeds HBM is not
-    compiled. Rows of meshes left uncompiled say why."""
+    """Compile for the topology on `mesh_spec` (or choose, of the meshes that divide the model, the
+    fitting one with the best floor) -> the chosen Plan's JSON plus "meshes" (one row each, saying why
+    when left uncompiled); fits false and "reason" when none fits. find_batch: also the largest
+    power-of-two batch that fits (from a compile at twice the batch). every_mesh: compile every mesh."""
     topo = get_topology(topology)
     meshes = [mesh_spec] if mesh_spec else candidate_meshes(cfg, topo)
     if not meshes:

@@ -1,12 +1,6 @@
-"""XProf traces of a generation: `dinfer-jax profile ... --logdir DIR`.
-
-The program is compiled and run once before tracing (so the trace shows steady-state execution,
-not compilation), then `repeats` generations run inside `jax.profiler.trace(DIR)`. Named regions:
-  host:   dinfer_profile (the traced span), dinfer_generate (one per generation call)
-  device: denoise_loop, forward_full, forward_window, strategy, attention_core, layers (jax
-          named scopes inside the jitted loop: in the HLO ops' metadata; on CPU only there, on
-          TPU / GPU also XProf's "Framework Name Scope" trace line)
-Viewing it, and the top ops by self time (bench/profile_top_ops.py): docs/profiling.md.
+"""XProf traces of a generation: `dinfer-jax profile ... --logdir DIR`. The program is compiled and
+run once, then `repeats` generations run inside `jax.profiler.trace(DIR)`; named regions (host:
+dinfer_profile, dinfer_generate; device: jax named scopes) and how to read them: docs/profiling.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""A bounded cache of compiled programs (the Generator's), least recently used dropped first.
-
-Why bounded: a compiled program holds device code for as long as its jitted function is referenced.
-On XLA:CPU every compiled kernel is JIT-linked into its own memory mappings (about 600 mappings
-for one dual-cache program of the 2-layer demo model, measured with /proc/self/maps), and Linux
-caps a process at vm.max_map_count mappings (65530 by default). Past it, LLVM's allocations fail
-("LLVM compilation error: Cannot allocate memory") and the process dies with a segmentation fault
-inside the next compile. A server that meets many (settings, length) buckets, or a test worker
-that compiles hundreds of programs, reaches that cap. So the cache holds at most `max_programs`
-entries and, where the mapping count is readable, drops the oldest entries while the process uses
-more than `map_fraction` of the cap. A dropped program is compiled again when next asked for.
-Thread safe (a server's scheduler and compile threads share one cache).
+"""A bounded cache of compiled programs (the Generator's), least recently used dropped first: at most
+`max_programs` entries, and fewer while the process holds more than `map_fraction` of the kernel's
+memory-mapping cap (XLA:CPU programs hold many mappings; past the cap the next compile crashes).
+Thread safe. Why: docs/internals/runtime.md.
 """
 from __future__ import annotations
 
@@ -47,8 +39,8 @@ def maps_near_limit(fraction: float = DEFAULT_MAP_FRACTION) -> bool:
 
 
 class ProgramCache:
-    """key -> program (jitted functions), LRU with a size bound and a memory-mapping bound (module
-    doc). `on_evict(key)` runs for each dropped key (the Generator forgets what it warmed)."""
+    """key -> program (jitted functions), LRU with a size bound and a memory-mapping bound.
+    `on_evict(key)` runs for each dropped key."""
 
     def __init__(self, max_programs: int = DEFAULT_MAX_PROGRAMS, map_fraction: float = DEFAULT_MAP_FRACTION,
                  on_evict: Optional[Callable[[Hashable], None]] = None):

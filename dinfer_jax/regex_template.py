@@ -1,11 +1,8 @@
 """Regular expression (a subset) -> canvas template: one position per character, each taking the
-single-character tokens of its character set; optional repetitions take the pad (EOS) too, which
-the renderer strips. The decoded text matches the pattern (re.fullmatch) by construction.
-
-Supported: literal characters and escapes (\\. \\- ...), \\d \\w \\s, ".", character classes
-[a-z0-9_] and [^...], quantifiers ?, {m}, {m,n}; ^ at the start and $ at the end (the whole
-output always matches). Refused with SchemaError naming the construct: * and + (unbounded: write
-{0,n} / {1,n}), {m,} , groups ( ), alternation |, backreferences, lookarounds.
+single-character tokens of its set; optional repetitions take the pad (EOS) too. The decoded text
+fullmatches the pattern by construction. Supported: literals, escapes, \\d \\w \\s, ".", [...] / [^...],
+?, {m}, {m,n}, ^ / $ at the ends; anything else (*, +, {m,}, groups, |, backreferences, lookarounds)
+raises SchemaError naming it (docs/structured_output.md).
 """
 from __future__ import annotations
 

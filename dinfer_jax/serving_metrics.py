@@ -1,10 +1,6 @@
-"""Request-level serving metrics: Prometheus histograms and counters a dLLM operator reads.
-
-Every answered request is observed once (`ServingMetrics.observe_request`), every batch / segment
-the scheduler runs once (`observe_batch`). `lines()` gives text exposition format 0.0.4; names use
-the `dinfer:` prefix the way vLLM uses `vllm:` (docs/metrics.md lists them with their meaning;
-docs/grafana/dinfer-jax.json reads them). Thread safe: the scheduler thread observes, the HTTP
-handler reads.
+"""Request-level serving metrics: Prometheus histograms and counters (`dinfer:` prefix) over answered
+requests (`observe_request`) and scheduled batches (`observe_batch`); `lines()` gives text exposition
+format 0.0.4. Thread safe. Names and meanings: docs/metrics.md.
 """
 from __future__ import annotations
 

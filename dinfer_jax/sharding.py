@@ -1,16 +1,7 @@
-"""Device meshes, the ONE table of logical-axis rules, activation shardings, multi-host init.
-Imports no model: param placement (each param's sharding, the mesh-fit check) is models/placement.py.
-
-Mesh axes are always ("data", "expert", "model"), sizes from a spec like "data=2,expert=4"
-(missing axes are 1, one axis may be -1 = the remaining devices). Axis types are Auto: GSPMD
-propagates shardings from the params and inputs, `constrain` pins the activations, and the MoE
-layer runs expert parallelism by hand inside `jax.shard_map` (models/expert_parallel.py).
-
-Logical axes (docs/architecture.md): every param is declared with one logical name per dim
-(models/layers.py `param`), resolved here through LOGICAL_RULES. Params whose dims must split
-evenly (experts, query heads, the FFN dim) raise a clear error when the mesh does not divide
-them; the others (kv heads under TP > K, vocab, batch) drop the mesh axes that do not divide
-and stay replicated over those.
+"""Device meshes ("data", "expert", "model"), the ONE table of logical-axis rules (LOGICAL_RULES),
+activation shardings, multi-host init. Imports no model (param placement: models/placement.py).
+Dims that must split evenly (experts, query heads, FFN) raise ShardingError when the mesh does not
+divide them; the others stay replicated. Rules: docs/internals/runtime.md, docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -100,12 +91,8 @@ def mesh_summary(mesh: Mesh | None) -> str:
 
 # ------------------------------------------------------------------------- logical -> mesh
 def logical_spec(axes: tuple, shape: tuple, mesh: Mesh, strict: bool = False, what: str = "array") -> P:
-    """PartitionSpec for an array with one logical name per dim.
-
-    Each dim takes, in order, the rule's mesh axes of size > 1 that are not used by an earlier
-    dim and keep the dim divisible. With strict=True a dim on a STRICT axis that cannot take all
-    its mesh axes raises ShardingError instead of staying (partly) replicated.
-    """
+    """PartitionSpec for an array with one logical name per dim; strict=True: ShardingError when a dim on
+    a STRICT axis cannot take all its mesh axes (docs/internals/runtime.md)."""
     if len(axes) != len(shape):
         raise ShardingError(f"{what}: {len(axes)} logical axes {axes} for a rank-{len(shape)} shape {shape}")
     used: set[str] = set()
@@ -165,10 +152,9 @@ def to_host(x) -> np.ndarray:
 # ------------------------------------------------------------------------------ multi-host
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, local_device_count: int | None = None) -> bool:
-    """jax.distributed.initialize from flags or the environment (DINFER_COORDINATOR /
-    JAX_COORDINATOR_ADDRESS, DINFER_NUM_PROCESSES / JAX_NUM_PROCESSES, DINFER_PROCESS_ID /
-    JAX_PROCESS_ID). Returns False (and does nothing) when no coordinator is given anywhere.
-    On CPU, collectives across processes use gloo."""
+    """jax.distributed.initialize from flags or the environment (DINFER_COORDINATOR / JAX_COORDINATOR_ADDRESS,
+    DINFER_NUM_PROCESSES / JAX_NUM_PROCESSES, DINFER_PROCESS_ID / JAX_PROCESS_ID); False (nothing done)
+    without a coordinator. On CPU, collectives use gloo."""
     env = os.environ.get
     coordinator = coordinator or env("DINFER_COORDINATOR") or env("JAX_COORDINATOR_ADDRESS")
     if not coordinator:

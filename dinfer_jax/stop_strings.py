@@ -1,10 +1,7 @@
-"""Stop strings (the OpenAI / vLLM `stop` field) on decoded text.
-
-A diffusion row commits blocks, not single tokens, so a stop string is looked for in the text of
-the row's committed left-to-right prefix (whole blocks): the answer's text ends before the first
-stop string, its token ids run through the token that completed it (as vLLM returns them), and
-the finish reason is "stop". Streaming holds back a text tail that could still become a stop
-string. docs/openai_fields.md says how this meets the block schedule.
+"""Stop strings (the OpenAI / vLLM `stop` field) on decoded text: looked for in the row's committed
+left-to-right prefix; the answer's text ends before the first stop string, its ids run through the
+token that completed it, finish reason "stop"; streams hold back a tail that could become one
+(docs/openai_fields.md).
 """
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """Structured output and infilling, the front door: a request's constraint -> (CanvasTemplate,
-render(ids) -> text), and `generate_structured` for the library.
-
-Constraint (one of):
-  StructuredOutput(json=schema)        JSON schema (json_template.py); json=None with
-                                       json_object=True: any JSON object
-  StructuredOutput(regex=pattern)      the regex subset of regex_template.py
-  StructuredOutput(choice=[texts])     exactly one of the texts: one slot whose positions take the
-                                       candidates' tokens there (or the pad); the answer is the
-                                       candidate agreeing with the most decoded positions
-  Infill(suffix=text, span=n)          prefix (the prompt) | n free positions | suffix; the answer
-                                       is the filled span, cut at its first EOS
-  InfillSpans(pieces=["0", 1, "6", 1]) the region as fixed text and spans; the answer is the whole
-                                       region's text (spans cut at EOS), `parts` each span's text
+render(ids) -> text), and `generate_structured` for the library. Constraints: StructuredOutput(json=
+| json_object= | regex= | choice=), Infill(suffix, span), InfillSpans(pieces); what each lays out
+and answers: docs/structured_output.md.
 """
 from __future__ import annotations
 
@@ -191,13 +181,9 @@ REQUEST_FIELDS = ("response_format", "structured_outputs", "guided_json", "guide
 
 
 def constraint_from_request(body: dict, max_tokens: int):
-    """The OpenAI / vLLM request fields -> (StructuredOutput | Infill | None, the field that gave
-    it), or SchemaError whose keyword is the request field at fault:
-      response_format {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}
-      structured_outputs {"json" | "regex" | "choice" | "json_object"} (vLLM >= 0.12)
-      guided_json / guided_regex / guided_choice (vLLM's earlier names)
-      suffix (completions): infill max_tokens positions between the prompt and the suffix
-      infill (completions, dLLM extension): the region as text pieces and span lengths."""
+    """The OpenAI / vLLM request fields (response_format, structured_outputs, guided_json / _regex /
+    _choice, suffix, infill) -> (StructuredOutput | Infill | None, the field that gave it), or
+    SchemaError whose keyword is the request field at fault (docs/structured_output.md)."""
     given = {k: body[k] for k in REQUEST_FIELDS if body.get(k) is not None}
     rf = given.get("response_format")
     if isinstance(rf, dict) and rf.get("type") == "text":

@@ -1,25 +1,6 @@
-"""The demo task suite: short text problems with exactly one correct answer, generated on the fly
-from a seed. The built-in demo model is trained on these (dinfer_jax/train.py) and evaluated on
-fresh instances (dinfer_jax/evaluate.py).
-
-  add      "add 482+039="     -> "0521"          addition of 1..3-digit numbers, fixed width (zero-padded
-                                                 to 3 digits; the sum to 4)
-  sort     "sort 5391="       -> "1359"          sort a list of 4..12 digits
-  next     "next abcdefgz="   -> "bcdefgha"      copy with a rule: each of 8 letters -> the next one (z -> a)
-  reverse  "rev hello="       -> "olleh"         reverse a lowercase string (3..12 letters)
-
-The default mix (`TASKS`) is add, sort and next (training weights them 2 : 1.5 : 0.5, see train.py). `reverse` (and variable-width formats) are valid
-prompts that `solve` checks, but not in the default mix: a 4-layer bidirectional model with rotary
-positions only (no absolute positions) must learn a query rotation that depends on the output
-index or on the input length to find a variable-offset source character, which did not converge
-within the CPU training budget (exact match 0% on reverse and next, 75% on sort, after 1000 steps of
-a first run with variable lengths). Fixed widths make every source a constant offset away; sorting
-is permutation invariant. Addition of two uniformly drawn 3-digit numbers stayed at chance on every
-digit but the first for 1500 steps (each sum digit needs two source digits at once, and neither
-alone predicts it); drawing operands with 1..3 significant digits fixes that.
-
-`solve(prompt)` computes the answer of any well-formed prompt from the prompt itself, so answers
-are checkable for prompts a user types too.
+"""The demo task suite: short text problems with exactly one correct answer, generated from a seed
+(add, sort, next in the default mix `TASKS`; reverse is valid but not trained). `solve(prompt)`
+answers any well-formed prompt. Formats and why these tasks: docs/internals/demo_model.md.
 """
 from __future__ import annotations
 

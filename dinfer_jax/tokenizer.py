@@ -1,9 +1,5 @@
-"""Tokenizers: load a model folder's `tokenizer.json` (HF `tokenizers`), encode / decode.
-
-`char_tokenizer()` builds the character-level tokenizer of the built-in demo model: one token per
-printable ASCII character (plus newline and tab) and three special tokens, saved as a real
-`tokenizer.json` (WordLevel model over single characters, a pre-tokenizer that isolates every
-character, and a Fuse decoder so decoding concatenates without spaces).
+"""Tokenizers: load a model folder's `tokenizer.json` (HF `tokenizers`), encode / decode;
+`char_tokenizer()` builds the demo model's character-level tokenizer (docs/internals/runtime.md).
 """
 from __future__ import annotations
 

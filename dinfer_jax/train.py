@@ -5,28 +5,9 @@ objective, or (--block-size B) a LLaDA2 block-diffusion model with the block-dif
   python -m dinfer_jax.train --block-size 4 --out DIR ...   (the block-diffusion demo model)
   (also `dinfer-jax train ...`)
 
-Objective (LLaDA SFT): for each sequence [prompt | answer + EOS padding to gen_length], draw
-t ~ U(eps, 1) (stratified over the batch), mask every answer-region token independently with
-probability t (prompt tokens are never masked), and minimise the cross-entropy on the masked tokens
-weighted by 1/t, normalised by the answer-region length. Prompts are left-padded exactly as the
-engine lays them out at inference (pads are not attended; positions count from the first real
-token), so the model is trained on the canvas it will be decoded on.
-
-Block-diffusion objective (--block-size B; LLaDA2 / SDAR style): the canvas is laid out exactly as
-the block loop decodes it (positions count from the first prompt token, block k covers positions
-[kB, (k+1)B), the generation region runs to the end of the block holding position P + G, its tail
-is EOS). One clean block-causal forward gives every layer's K/V; then every block holding generated
-positions is noised independently (t ~ U(eps, 1) per block, stratified; prompt positions never
-masked) and run as a B-token window over that clean cache with its own K/V written over the clean
-ones, exactly the forward the block loop runs at inference: a noisy block sees the clean earlier
-blocks and itself, never its own clean tokens or later blocks. Loss: cross-entropy on the masked
-positions weighted by 1/t, normalised by the generation length; gradients flow through both passes.
-One step thus trains every block of every row at about twice a plain forward's cost.
-
-Outputs: DIR is a dinfer-jax checkpoint (config.json, params stored in bf16, tokenizer.json,
-generation_config.json with the decoding defaults, training.json with the run's record) loadable
-with `dinfer_jax.load_model(DIR)`; WORKDIR holds orbax training-state checkpoints (params + optimizer
-state, for --resume), log.jsonl and loss.png (the loss curve).
+DIR gets a dinfer-jax checkpoint (bf16 params, tokenizer, decoding defaults, training.json);
+WORKDIR orbax training states (--resume), log.jsonl, loss.png. The objectives:
+docs/internals/demo_model.md.
 """
 from __future__ import annotations
 
@@ -132,8 +113,8 @@ def diffusion_loss(module, params, tokens_BL, pads_B, key, prompt_len: int, mask
 
 def block_diffusion_loss(module, params, tokens_BL, pads_B, key, prompt_len: int, gen_length: int,
                          block_size: int, mask_id: int, eps: float = 1e-3):
-    """Block-diffusion loss (module doc) -> (loss, metrics). tokens_BL: [pads | prompt | answer, EOS...]
-    with every prompt ending at index prompt_len and L >= prompt_len + gen_length + block_size."""
+    """Block-diffusion loss (docs/internals/demo_model.md) -> (loss, metrics). tokens_BL: [pads | prompt
+    | answer, EOS...], every prompt ending at prompt_len, L >= prompt_len + gen_length + block_size."""
     B, L = tokens_BL.shape
     w = block_windows(tokens_BL, pads_B, key, prompt_len, gen_length, block_size, mask_id, eps)
     NB = w["x_WS"].shape[0] // B
@@ -184,8 +165,7 @@ def block_windows(tokens_BL, pads_B, key, prompt_len: int, gen_length: int, bloc
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Random initial params from the model's abstract shapes (no compile): norm scales 1, weights
-    normal(0.02), residual-branch outputs (o_proj, down_proj) normal(0.02 / sqrt(2 * layers))."""
+    """Random initial params from the model's abstract shapes (no compile; scales: docs/internals/demo_model.md)."""
     from dinfer_jax.models import abstract_params, unflatten
     rng = np.random.default_rng(seed)
     flat = {}

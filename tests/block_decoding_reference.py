@@ -1,5 +1,5 @@
 """A slow host-loop reference of LLaDA2's block-diffusion generate() (temperature 0), written from
-shared/reference/llada2_and_dream.md §4-6 without using dinfer_jax.decoding: one prompt, no
+docs/facts/llada2_and_dream.md §4-6 without using dinfer_jax.decoding: one prompt, no
 padding, NO cache: every step runs a full block-causal forward over the whole window [0, (b+1)B)
 (the prompt and every earlier block recomputed), exactly as the HF generate() does.
 
@@ -87,7 +87,7 @@ def reference_block_generate(model, prompt, p):
 
 def reference_indel_generate(model, prompt, p, delete_id: int, split_id: int):
     """LLaDA2.2 insert/delete editing (SGLang `joint_threshold_indel.py`, greedy), written from the
-    facts in shared/reference/llada2_and_dream.md §7.1 and that file, one prompt, NO cache (every
+    facts in docs/facts/llada2_and_dream.md §7.1 and that file, one prompt, NO cache (every
     step a full block-causal forward over [0, (b+1)B)). Blocks end at the cleanup step or at a step
     that writes nothing; the forward SGLang adds to persist a changed block's K/V is not counted
     (our loop commits it inside the next block's first forward).

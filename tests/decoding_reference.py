@@ -1,6 +1,6 @@
 """A slow, obviously-correct host-loop reference of the decoding algorithms (temperature 0).
 
-One prompt at a time, plain Python/numpy, written from shared/reference/decoding.md without
+One prompt at a time, plain Python/numpy, written from docs/facts/decoding.md without
 using dinfer_jax.decoding. Each step runs a forward through the model's public apply():
 - cache "none": a full forward over prompt + generation region (no padding at all);
 - "dual" / "prefix" / "vicinity": the cached window forward, with K/V refreshed by a full forward

@@ -1,5 +1,5 @@
 """A slow host-loop reference of Dream's `diffusion_generate` sampler, written from the facts in
-shared/reference/llada2_and_dream.md §13.5 without using dinfer_jax.decoding.
+docs/facts/llada2_and_dream.md §13.5 without using dinfer_jax.decoding.
 
 One prompt at a time (batch 1, where Dream's batch-mean k is the row's own count), no padding:
 canvas = prompt + gen_length masks, positions arange. Each step: one forward, the logits shifted

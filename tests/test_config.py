@@ -7,7 +7,7 @@ from dinfer_jax.families import from_hf_dict, load_hf_config, preset, to_hf_dict
 
 pytestmark = pytest.mark.smoke
 
-# Real LLaDA-8B-Instruct config.json keys (shared/reference/models.md A1).
+# Real LLaDA-8B-Instruct config.json keys (docs/facts/models.md A1).
 LLADA_8B = {
     "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 4096, "n_layers": 32, "n_heads": 32,
     "n_kv_heads": 32, "mlp_hidden_size": 12288, "mlp_ratio": 4, "activation_type": "silu", "block_type": "llama",

@@ -26,7 +26,7 @@ from dinfer_jax.models.moe import route_sigmoid_group  # noqa: E402
 REL_TOL = 1e-4
 CFG = preset("tiny-llada2")  # 1 dense + 2 MoE layers, 16 experts in 4 groups, top-4 of 2 groups, block 8
 
-# The LLaDA2.1-mini config.json fields (shared/reference/llada2_and_dream.md §1).
+# The LLaDA2.1-mini config.json fields (docs/facts/llada2_and_dream.md §1).
 LLADA21_MINI = {
     "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "num_hidden_layers": 20, "hidden_size": 2048,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5120,

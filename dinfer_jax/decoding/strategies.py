@@ -5,7 +5,7 @@ positions, x_BS the block's current tokens. A position is *masked* when x == mas
 strategy returns (cand_BS, transfer_BS): the candidate tokens and which masked positions take them.
 Per-row knobs are (B,) arrays, so one compiled program serves requests with different settings.
 
-Definitions (shared/reference/decoding.md):
+Definitions (docs/facts/decoding.md):
 - candidate x^ = argmax(l + T*g) (Gumbel-max, g standard Gumbel; exactly argmax l when T == 0);
   confidence c = softmax(l)[x^] with the un-noised logits, fp32.
 - fixed (LLaDA low_confidence / random): unmask the top-k_i confidences (k_i from `quota`).

@@ -1,13 +1,6 @@
-"""Model families: one module per family declares everything that is specific to it.
-
-A `Family` holds: its Hugging Face architecture names, a config.json -> ModelConfig reader and the
-reverse writer, its weight-name table (converters/mappings.py `Entry` list, used both ways), its
-documented default special ids, its chat template (and BOS text), its presets, and its decoding
-defaults. Shared code (config dataclass, converter engine, chat renderer, layers) looks families
-up here by `ModelConfig.family` or by architecture name and holds no family names itself.
-
-Adding a family = a new module here + one line in `_MODULES`.
-"""
+"""Model families: one module per family declares everything specific to it (a `Family`); shared
+code looks families up here by `ModelConfig.family` or architecture name. Adding a family = a new
+module + one line in `_MODULES` (docs/internals/families.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +23,9 @@ _MODULES = ("llada", "llada_moe", "llada2", "dream", "sdar", "fast_dllm_v2")
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """What one model family is (see the module doc).
-
-    read_config(hf, ids_for_vocab, where) -> ModelConfig: `ids_for_vocab(V)` resolves the special ids
-    (config.json > folder files > `default_ids` that fit V). decoding: SamplingParams defaults (the
-    family's authors' own generate() defaults, docs/decoding_defaults.md). generation_fields: the
-    generation_config.json keys (named as SamplingParams fields) the authors' generate() takes from
-    a model folder, read over `decoding` by `decoding_defaults`."""
+    """One model family: HF architectures, config.json reader / writer, weight table, default ids,
+    chat template, presets, decoding defaults and the generation_config.json fields it reads
+    (docs/internals/families.md)."""
     name: str
     architectures: tuple[str, ...]
     read_config: Callable[[Mapping[str, Any], Callable[[int], dict], str], Any]
@@ -139,16 +128,9 @@ def whole_canvas(fam: Family) -> bool:
 
 
 def layer(base: Mapping[str, Any], upd: Mapping[str, Any], whole: bool = False) -> dict:
-    """`upd` over `base` (dicts of SamplingParams fields) with the rules that keep a default
-    consistent with what is set over it:
-      - gen_length without block_length: with `whole` (a whole-canvas family, `whole_canvas`) a
-        default block_length == gen_length stays whole-canvas; otherwise a full-canvas default
-        block longer than gen_length shrinks to it (a block-diffusion block is the model's
-        attention block and never shrinks);
-      - editing, indel or sub-blocks without steps: the default `steps` schedule is dropped
-        (LLaDA2.1's generate() ignores `steps`; SamplingParams refuses the combination);
-      - another cache / strategy: the lower layer's fields that belong to the old one (`_SCOPED`)
-        are dropped unless `upd` sets them."""
+    """`upd` over `base` (dicts of SamplingParams fields), keeping the default consistent: block
+    length vs gen_length, `steps` vs editing / sub-blocks, fields scoped to a replaced cache or
+    strategy (rules: docs/decoding_defaults.md, docs/internals/families.md)."""
     out = {**base, **upd}
     for (key, value), names in _SCOPED.items():
         if base.get(key) == value and upd.get(key, value) != value:

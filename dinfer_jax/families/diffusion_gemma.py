@@ -1,21 +1,8 @@
-"""DiffusionGemma (uniform-noise block diffusion on the Gemma-4 text stack; docs/diffusion_gemma.md
-holds every fact used here with its source line in transformers 5.25).
-
-- `config_from_hf(config.json dict) -> (Gemma4Config, canvas_length)` and `params_from_hf(named
-  tensors, cfg)`: the text part of an HF checkpoint (the vision tower is skipped).
-- `DiffusionGemmaSettings`: the reference's generation-config fields, with its defaults.
-- `generate(model, prompt_ids, settings, key)` / `generate_with_draws(model, prompt_ids, draws, **settings)`:
-  the whole generation (prefill, every canvas, every denoising step, commits, EOS) in one jitted
-  program of nested `lax.while_loop`s; `draws` replays the reference's random numbers (tests).
-- `logits(model, prompt_ids, canvas, self_conditioning=None)`: the decoder's (B, C, V) logits.
-
-- `load(folder)`: an HF folder (safetensors / .bin, sharded or not), text weights only;
-  `dinfer-jax generate --model DIR` decodes one with its generation_config.json (cli.py).
-
-Not yet here (issue 30): the Family registry entry (ModelConfig does not describe a heterogeneous
-encoder / decoder stack), the server, the chat template, continuous batching, expert kernels other
-than lax.ragged_dot, TPU compile at the released shapes.
-"""
+"""DiffusionGemma, text part (uniform-noise block diffusion on the Gemma-4 text stack; facts:
+docs/diffusion_gemma.md): `config_from_hf` / `params_from_hf` / `load(folder)` read an HF checkpoint
+(no vision tower); `generate` / `generate_with_draws` run the whole generation in one jitted program
+(`draws` replay the reference's random numbers); `logits` gives the decoder's (B, C, V) logits.
+What is not built yet: docs/internals/families.md (DiffusionGemma)."""
 from __future__ import annotations
 
 import dataclasses

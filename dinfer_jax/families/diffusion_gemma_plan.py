@@ -1,20 +1,8 @@
-"""DiffusionGemma on a TPU topology, compiled with libtpu's compile-only devices (nothing runs, no
-weights read): the whole generate program (prefill, canvases, denoising steps, re-encoding) over
-abstract params sharded on a ("data", "expert", "model") mesh, and its per-chip bytes.
-
-Shardings come from the layers' own logical axes (models/gemma4.py `param`) through
-sharding.LOGICAL_RULES, non-strict: experts over "expert"; query heads, the FFN width, the experts'
-width and the vocabulary over "model"; a dim the mesh does not divide (e.g. 2 KV heads of the full
-layers on model=4) stays replicated. The prompt batch goes over "data".
-
-The experts run expert parallelism by hand (models/gemma4.py `_Experts` with the mesh: shard_map,
-tokens meet their experts' shard, partial sums reduced); audits.no_full_expert_gather checks that
-no whole expert stack is all-gathered (left to XLA's SPMD partitioner, the one `lax.ragged_dot`
-all-gathered every layer's stack in every forward).
-
-`compile_plan(cfg, canvas_length, topology, mesh_spec, batch=, prompt_len=, max_new_tokens=)` ->
-dict with the fields of `dinfer-jax plan --json` that apply (per_chip_bytes, fits, collectives, ...).
-"""
+"""DiffusionGemma's whole generate program compiled for a TPU topology with libtpu's compile-only
+devices (nothing runs, no weights read), over abstract params sharded on a ("data", "expert",
+"model") mesh. `compile_plan(cfg, canvas_length, topology, mesh_spec, batch=, prompt_len=,
+max_new_tokens=)` -> dict with the fields of `dinfer-jax plan --json` that apply (per_chip_bytes,
+fits, collectives, ...). Sharding rules: docs/internals/families.md (DiffusionGemma)."""
 from __future__ import annotations
 
 import math
@@ -33,7 +21,7 @@ from dinfer_jax.models.gemma4 import Gemma4Config, Gemma4Diffusion, boxed_params
 
 
 def abstract_params(cfg: Gemma4Config, mesh, dtype=jnp.bfloat16):
-    """The param tree as ShapeDtypeStructs, each with its NamedSharding on `mesh` (module doc)."""
+    """The param tree as ShapeDtypeStructs, each with its NamedSharding on `mesh` (logical axes, non-strict)."""
     boxed = jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype))
     specs = nn.get_partition_spec(boxed)
     shapes = nn.meta.unbox(boxed)

@@ -1,23 +1,8 @@
 """Dream-7B (Dream-v0-Base / Instruct) and DiffuCoder-7B: `DreamModel`, model_type "Dream".
 
-A Qwen2.5-7B block (pre-norm RMSNorm, GQA 28/4, head_dim 128, full NeoX RoPE theta 1e6, SwiGLU,
-q/k/v projections WITH biases, o_proj without), run with full bidirectional attention, and an
-AR-style head: the logits that decode position i are the raw output row i - 1 (`logit_shift=1`).
-Facts: shared/reference/llada2_and_dream.md §13 (config §13.1, state dict §13.2, forward §13.3,
-shift §13.4, sampler §13.5; DiffuCoder §13.6 shares the architecture and, assumed, the sampler).
-DiffuCoder's sampler, what is public [apple/ml-diffucoder @ f735e01, inference_demo.py and README]:
-it is called as `model.diffusion_generate(input_ids, attention_mask, max_new_tokens, steps,
-temperature, top_p, alg, alg_temp)`, Dream's argument set, with alg "entropy", alg_temp 0,
-temperature 0.2-0.4, top_p 0.95 and steps = max_new_tokens (one token per step); the Instruct
-model's answer is the text before the first `<|dlm_pad|>` (its padding token; the Base model's
-before EOS). Here: strategy="dream", alg="entropy"; the answer is cut at EOS or at the folder's
-end-of-turn token (`<|im_end|>` found in tokenizer.json: ModelConfig.eot_token_id), the chat
-turn's end. Its generation_utils.py itself was not read.
-
-The HF files are remote code (no AutoModelForCausalLM); their names are Qwen2's, so a transformers
-`Qwen2ForCausalLM` with the same weights and an explicit bidirectional 4-D mask computes the same
-logits (tests/test_dream.py checks ours against it).
-"""
+A Qwen2.5-7B block (q/k/v biases) with full bidirectional attention and shifted logits
+(`logit_shift=1`). Facts: docs/facts/llada2_and_dream.md §13; DiffuCoder's sampler and the parity
+check: docs/internals/families.md (Dream)."""
 from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
@@ -44,7 +29,7 @@ def write_config(cfg: ModelConfig) -> dict:
 
 
 def weights(cfg: ModelConfig) -> list[Entry]:
-    """Qwen2 names with q/k/v biases (reference §13.2)."""
+    """Qwen2 names with q/k/v biases (docs/facts/llada2_and_dream.md §13.2)."""
     return decoder_entries(cfg)
 
 

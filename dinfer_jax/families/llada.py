@@ -1,5 +1,5 @@
 """LLaDA dense (LLaDA-8B, LLaDA-1.5): `LLaDAModelLM`, OLMo-style names, full bidirectional attention.
-Facts: shared/reference/models.md (A)."""
+Facts: docs/facts/models.md (A)."""
 from __future__ import annotations
 
 from converters.mappings import Entry

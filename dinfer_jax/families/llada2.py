@@ -1,13 +1,8 @@
-"""LLaDA2.x (LLaDA2.0 / 2.1 / 2.2, mini 16B-A1.4B and flash 100B-A6.1B): `LLaDA2MoeModelLM`,
-model_type `llada2_moe`. Block-causal attention (blocks of 32), fused query_key_value, per-head q/k
-RMSNorm, partial NeoX RoPE (half of each head), a dense SwiGLU first layer, then MoE layers with a
-sigmoid group-limited router (expert bias for selection only, routed scaling 2.5) and one shared
-expert. Facts: shared/reference/llada2_and_dream.md §1-4.
-
-The HF code ignores `score_function`, `moe_router_enable_expert_bias` and `norm_topk_prob` (it
-always uses sigmoid, always has the bias, always renormalises when top_k > 1); we follow the code
-and refuse a config that asks for something else rather than silently computing another model.
-"""
+"""LLaDA2.x (2.0 / 2.1 / 2.2, mini and flash): `LLaDA2MoeModelLM`, model_type `llada2_moe`.
+Block-causal attention (blocks of 32), fused query_key_value, q/k RMSNorm, partial RoPE, a dense
+first layer, then sigmoid group-limited MoE layers with one shared expert. A config asking for
+another router / no expert bias is refused. Facts: docs/facts/llada2_and_dream.md §1-4;
+docs/internals/families.md (LLaDA2.x)."""
 from __future__ import annotations
 
 from converters.mappings import Entry
@@ -93,7 +88,7 @@ def write_config(cfg: ModelConfig) -> dict:
 
 def weights(cfg: ModelConfig) -> list[Entry]:
     """Fused query_key_value rows are [all N query heads | K key heads | K value heads], head-major,
-    H rows each (reference §2); layer l of our `layers` stack is HF layer l + first_k_dense."""
+    H rows each (docs/facts/llada2_and_dream.md §2); layer l of our `layers` stack is HF layer l + first_k_dense."""
     N, K, H, k0 = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.first_k_dense
     qkv_rows = (N + 2 * K) * H
 

@@ -1,6 +1,6 @@
 """LLaDA-MoE (7B-A1B): `LLaDAMoEModelLM` (and dInfer's `FusedLLaDAMoEModelLM` layout, which the
 converter reads as per-expert names), Qwen3-MoE-style names, softmax top-k router, per-head q/k
-RMSNorm, full bidirectional attention. Facts: shared/reference/models.md (B)."""
+RMSNorm, full bidirectional attention. Facts: docs/facts/models.md (B)."""
 from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries

@@ -1,6 +1,5 @@
-"""The Qwen2 config.json fields shared by the Qwen2-based families (Dream, Fast-dLLM v2): one reader
-and one writer of the dense decoder's fields; each family adds its own architecture names, mask
-kind, ids and extra fields. Not a family itself (not in families._MODULES)."""
+"""The Qwen2 config.json reader and writer shared by the Qwen2-based families (Dream, Fast-dLLM v2);
+not a family itself."""
 from __future__ import annotations
 
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta

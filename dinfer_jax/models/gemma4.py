@@ -1,33 +1,8 @@
 """The Gemma-4 text stack run two ways over one set of weights (DiffusionGemma, docs/diffusion_gemma.md):
 a causal ENCODER that writes the prompt and every committed canvas into a KV cache, and a
 bidirectional DECODER that reads the cache (never writes it) and returns logits for a canvas.
-
-Per layer (its kind from cfg.layer_types: "sliding_attention" | "full_attention", with per-kind
-KV heads / head_dim / RoPE):
-  r = h + post_attn_norm(attn(input_norm(h)))
-  y = (r + post_ffn_norm(post_ffn_norm_1(mlp(pre_ffn_norm(r)))
-                         + post_ffn_norm_2(experts(pre_ffn_norm_2(r), router(r))))) * layer_scalar
-with q/k RMSNorm (weighted) and v RMSNorm (unweighted), softmax scale 1, V = the raw k projection on
-full layers (no v_proj), RMSNorm = x * w (not 1 + w), a softmax router over the raw residual with
-its own unweighted norm, `scale` and `per_expert_scale`, GELU-tanh MLPs, embeddings times
-sqrt(D) rounded to the params' dtype, final logits soft-capped. The encoder and decoder passes
-each have their own layer scalar (params `encoder_scalar` / `decoder_scalar`).
-
-Masks (key positions = cache slots; positions are slot indices, shared by all rows):
-  encoder query p sees slot j iff valid_j and j <= p (and j > p - W in sliding layers);
-  decoder canvas query sees every canvas key and cache slot j iff valid_j and j < start (and
-  j >= start - decoder_window in sliding layers: W - 1 = what the reference's DynamicCache keeps).
-
-Param tree (D hidden, N query heads, K/H per layer kind, I dense width, F expert width, E experts):
-  embed (V, D)   final_norm (D)   self_conditioning/{pre_norm (D), gate_proj, up_proj (D, I), down_proj (I, D)}
-  layer_{i}/attn/{q_proj (D, N, H), k_proj (D, K, H), v_proj (D, K, H) sliding only, o_proj (N, H, D),
-                  q_norm (H), k_norm (H)}
-  layer_{i}/{input_norm, post_attn_norm, pre_ffn_norm, post_ffn_norm, pre_ffn_norm_2,
-             post_ffn_norm_1, post_ffn_norm_2} (D)
-  layer_{i}/mlp/{gate_proj, up_proj (D, I), down_proj (I, D)}
-  layer_{i}/router/{proj (D, E), scale (D), per_expert_scale (E)}
-  layer_{i}/experts/{gate_proj, up_proj (E, D, F), down_proj (E, F, D)}
-  layer_{i}/{encoder_scalar, decoder_scalar} (1,)
+Layers are "sliding_attention" or "full_attention" (per-kind KV heads / head_dim / RoPE) with dense
+GELU MLP + routed experts. The layer formula, masks and param tree: docs/internals/model_code.md.
 """
 from __future__ import annotations
 
@@ -92,8 +67,7 @@ class Gemma4Config:
                                                                                        self.full_head_dim)
 
     def inv_freq(self, kind: str) -> jnp.ndarray:
-        """(H/2,) RoPE inverse frequencies: sliding = theta^(-2j/H); full = "proportional": the first
-        int(factor * H / 2) of theta^(-2j/H) (exponent over the FULL head_dim), the rest 0 (unrotated)."""
+        """(H/2,) RoPE inverse frequencies: sliding theta^(-2j/H); full: "proportional" (the rest 0)."""
         _, H = self.kv_shape(kind)
         theta = self.sliding_rope_theta if kind == SLIDING else self.full_rope_theta
         freqs = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
@@ -159,9 +133,9 @@ def _norm(module, name, dim, dtype, x, eps):
 
 
 class Gemma4Layer(nn.Module):
-    """One layer (module doc). __call__(x_BSD, positions_BS, kv, mask_BST, encode) -> (y_BSD, (k, v)):
-    encode=True writes this call's K/V into kv = (k_BTKH, v_BTKH) at slots positions_BS[0] (rows share
-    positions) and attends over the result; encode=False attends over kv ++ this call's K/V."""
+    """One layer. __call__(x_BSD, positions_BS, kv, mask_BST, encode) -> (y_BSD, (k, v)): encode=True
+    writes this call's K/V into kv = (k_BTKH, v_BTKH) at slots positions_BS[0] and attends over the
+    result; encode=False attends over kv ++ this call's K/V."""
     cfg: Gemma4Config
     kind: str
     dtype: jnp.dtype = jnp.float32
@@ -184,8 +158,7 @@ class Gemma4Layer(nn.Module):
 
 
 class _Attention(nn.Module):
-    """q/k RMSNorm (weighted), v RMSNorm (unweighted; V = raw k projection on full layers), RoPE of
-    the layer kind, scale-1 softmax over the cache (module doc): x_BSD -> (y_BSD, (k, v) cache)."""
+    """q/k/v RMSNorm, RoPE of the layer kind, scale-1 softmax over the cache: x_BSD -> (y_BSD, (k, v))."""
     cfg: Gemma4Config
     kind: str
     dtype: jnp.dtype = jnp.float32
@@ -239,9 +212,8 @@ class _GeluMLP(nn.Module):
 
 
 def route(r_TD, router_params, cfg: "Gemma4Config"):
-    """r_TD (raw residual) -> (weights_TX fp32, experts_TX): softmax over E of
-    proj(norm(r) * scale / sqrt(D)), top-k renormalised to 1, then times per_expert_scale.
-    router_params = (proj (D, E), scale (D,), per_expert_scale (E,))."""
+    """r_TD (raw residual) -> (weights_TX fp32, experts_TX): softmax of proj(norm(r) * scale / sqrt(D)),
+    top-k renormalised, times per_expert_scale; router_params = (proj (D, E), scale (D,), per_expert_scale (E,))."""
     proj, scale, pes = router_params
     D = r_TD.shape[-1]
     x = rms_norm(r_TD, None, cfg.rms_norm_eps)
@@ -267,8 +239,7 @@ class _Router(nn.Module):
 
 
 def _gelu_experts(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """Dropless sorted GELU-tanh experts (lax.ragged_dot). Expert id E (= the stack's size) marks
-    a slot of no local expert (expert parallelism): it sorts last, in no group, and gives 0."""
+    """Dropless sorted GELU-tanh experts (lax.ragged_dot); expert id E (no local expert) gives 0."""
     E = w_gate_EDF.shape[0]
 
     def grouped(x_sorted, flat_experts):
@@ -280,10 +251,8 @@ def _gelu_experts(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD
 
 
 class _Experts(nn.Module):
-    """Routed GELU-tanh experts, dropless: (x_BSD expert input, r_BSD router input, router params)
-    -> y_BSD. With a mesh whose "expert" x "model" is > 1, expert parallelism by hand in shard_map
-    (models/expert_parallel.py: tokens meet their experts' shard, partial sums reduced); else one
-    sorted `lax.ragged_dot` path."""
+    """Routed GELU-tanh experts, dropless: (x_BSD expert input, r_BSD router input) -> y_BSD; expert
+    parallel (models/expert_parallel.py) on a mesh whose "expert" x "model" > 1."""
     cfg: Gemma4Config
     dtype: jnp.dtype = jnp.float32
     mesh: Any = None
@@ -309,11 +278,10 @@ class _Experts(nn.Module):
 
 
 class Gemma4Diffusion(nn.Module):
-    """encode(tokens_BS, cache, token_valid_BS=None) -> cache with the S tokens written at slots
-    [cache.length, cache.length + S); decode(canvas_BC, cache, sc_logits_BCV=None) -> soft-capped
-    fp32 logits (B, C, V) of the canvas at slots [cache.length, +C), self-conditioned on the previous
-    step's logits (None: the first step; sc_mask_B zeroes rows) (module doc). `dtype`: params;
-    `mesh`: a ("data", "expert", "model") Mesh for expert parallelism (None: one device)."""
+    """encode(tokens_BS, cache, token_valid_BS=None) -> cache with the S tokens at slots [cache.length,
+    +S); decode(canvas_BC, cache, sc_logits_BCV=None) -> soft-capped fp32 logits (B, C, V) of the canvas
+    at [cache.length, +C), self-conditioned on the previous step's logits (None: first step; sc_mask_B
+    zeroes rows). `mesh`: a ("data", "expert", "model") Mesh for expert parallelism (None: one device)."""
     cfg: Gemma4Config
     dtype: jnp.dtype = jnp.float32
     mesh: Any = None
@@ -405,8 +373,7 @@ class _SelfConditioning(nn.Module):
 
 
 def boxed_params(cfg: Gemma4Config, seed: int = 0, dtype=jnp.float32, batch: int = 1, slots: int = 8):
-    """Random params, each boxed with its logical axes (nn.get_partition_spec reads them); under
-    jax.eval_shape, the shapes only. Shapes only depend on cfg."""
+    """Random params, each boxed with its logical axes (nn.get_partition_spec reads them)."""
     m = Gemma4Diffusion(cfg, dtype)
     cache = EncoderCache.empty(cfg, batch, slots, dtype)
     ids = jnp.zeros((batch, 2), jnp.int32)

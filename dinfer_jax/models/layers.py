@@ -1,7 +1,6 @@
 """Shared building blocks: RMSNorm, NeoX rotary embedding, bidirectional attention, SwiGLU MLP.
-
-Every parameter is declared with logical axis names (see `sharding.py` for the mesh rules); the
-layers read only `ModelConfig` fields, never a model family.
+Every parameter is declared with logical axis names (sharding.py rules); the layers read only
+`ModelConfig` fields, never a model family.
 """
 from __future__ import annotations
 
@@ -22,11 +21,8 @@ _init = nn.initializers.normal(stddev=0.02)
 
 
 def param(module: nn.Module, name: str, shape, axes, dtype, init=_init):
-    """A parameter with logical axis names `axes` (one per dim). A quantized weight stored under
-    `name` (models/quant.py QuantizedWeight) is returned as is; the layers multiply through
-    quant.einsum / `@`, which dequantize inside the matmul. A stacked.LayerSlice (a layer of a
-    layer-stacked weight, from stacked.scan_layers) is returned as is too: stacked.einsum / `@`
-    read it from the stack."""
+    """A parameter with logical axis names `axes` (one per dim). A QuantizedWeight or stacked.LayerSlice
+    stored under `name` is returned as is (quant / stacked matmuls read it)."""
     if module.has_variable("params", name):
         v = module.get_variable("params", name)
         if isinstance(v, (quant.QuantizedWeight, stacked.LayerSlice)):
@@ -75,8 +71,7 @@ def rotary_embedding(x_BSnH, positions_BS, theta: float, rotary_dim: int):
 
 
 def whole_kv_heads(mesh, kv_heads: int) -> bool:
-    """Whether the model axis splits K/V over whole heads (it divides K); else K/V stay replicated over
-    it (GQA with TP > K, sharding.LOGICAL_RULES)."""
+    """Whether the model axis splits K/V over whole heads (it divides K); else K/V stay replicated."""
     return mesh is None or kv_heads % mesh.shape["model"] == 0
 
 
@@ -89,10 +84,8 @@ def _shard_kw(mesh, batch: int, kv_heads: int):
 
 
 def _layout_pin(platform, mesh, batch: int, kv_heads: int):
-    """cache.row_major for an XLA:TPU target (identity elsewhere) over (B, L, K, H) or (B, L, K*H)
-    K/V. On a multi-device mesh it runs inside a shard_map over the K/V's own sharding: outside one,
-    XLA does not partition the pin's custom call and replicates the K/V around it (all-gathers of
-    every layer's K/V, measured on v5e:2x4 data=2,model=4)."""
+    """cache.row_major for an XLA:TPU target (identity elsewhere) over (B, L, K, H) or (B, L, K*H) K/V;
+    inside a shard_map on a multi-device mesh (docs/internals/model_code.md)."""
     if target_platform(platform) != "tpu":
         return lambda a: a
     if mesh is None or mesh.size == 1:
@@ -107,17 +100,13 @@ def _layout_pin(platform, mesh, batch: int, kv_heads: int):
 
 
 class Attention(nn.Module):
-    """Bidirectional multi-head attention with GQA, optional q/k/v biases (cfg.qkv_bias), optional
-    per-head q/k RMSNorm, and RoPE.
+    """GQA attention with optional q/k/v biases, per-head q/k RMSNorm, and RoPE.
 
     __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None,
-             key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLF, v_BLF)), F = K*H (the cache's
-    layout, dinfer_jax/cache.py). Without `kv`, keys/values are this call's own (L == S). With `kv` =
-    full-length (k_BLF, v_BLF),
-    row b's S fresh keys/values are written into a copy at [window_start_b, window_start_b + S)
-    (only where kv_write_BS, if given) and the queries attend to all L.
-    block_size > 0: block-causal mask over positions_BS (queries) and key_positions_BL (keys; by
-    default positions_BS, i.e. self-attention without a cache).
+             key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLF, v_BLF)), F = K*H. With `kv`
+    (full-length k_BLF, v_BLF), row b's S fresh K/V go into a copy at [window_start_b, +S) (where
+    kv_write_BS) and the queries attend to all L. block_size > 0: block-causal over positions_BS /
+    key_positions_BL (default positions_BS).
     """
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32

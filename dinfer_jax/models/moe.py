@@ -1,26 +1,8 @@
-"""Mixture of experts: a router (fp32), SwiGLU experts, optional shared (always-on) experts.
-
-Routers (ModelConfig.router), both computed in fp32 from logits x_TD @ W_DE:
-- "softmax":       softmax over E, top-k, optional renormalisation (LLaDA-MoE, Qwen3-MoE).
-- "sigmoid_group": sigmoid scores s; selection on s + expert_bias (the bias only selects);
-                   group-limited: E split into n_group groups, a group scored by the sum of its
-                   two best biased scores, only the topk_group best groups eligible; weights from
-                   the UNBIASED s of the chosen experts, renormalised (norm_topk_prob), times
-                   routed_scaling_factor (LLaDA2.x, DeepSeek-V3 / GLM-4.5 style).
-
-Expert paths that must agree (tests/test_moe.py checks each against a per-expert loop):
-- "dense":  every token through every expert (einsum over E), weights zero outside the top-k.
-            Simple and obviously correct; costs E/X times the useful FLOPs.
-- "ragged": dropless: sort the T*X (token, expert) pairs by expert and run grouped matmuls with
-            `jax.lax.ragged_dot` over contiguous per-expert groups (the default on GPU).
-- "tiled":  the same sort, then pallas_kernels.moe's tile-padded scan over groups (the default on
-            CPU, where XLA lowers ragged_dot to a dense matmul per group: E times the work).
-- "pallas": the same sort, then pallas_kernels.moe's megablox-style grouped-matmul Pallas kernel
-            (`gmm`, Mosaic; the default on TPU). Off TPU it runs in the Pallas interpreter
-            (slow; for tests). Quantized (int8 / fp8) expert stacks go to the kernel as is: it
-            reads the 1-byte weights and dequantizes tile by tile in VMEM.
-"auto" picks by the target platform (MoE.platform; None = jax.default_backend()): "pallas" on TPU,
-"ragged" on GPU, "tiled" on CPU.
+"""Mixture of experts: a router (fp32: "softmax" top-k, or "sigmoid_group" with expert bias and
+group limits), SwiGLU experts, optional shared (always-on) experts. Expert paths that must agree:
+"dense" (all experts, the reference), "ragged" (sort + lax.ragged_dot; GPU default), "tiled" (sort +
+tile-padded scan; CPU default), "pallas" (sort + the gmm kernel; TPU default); "auto" picks by the
+target platform. Router rules and path trade-offs: docs/internals/model_code.md.
 """
 from __future__ import annotations
 
@@ -70,10 +52,8 @@ def route_softmax(logits_TE, top_k: int, norm_topk_prob: bool):
 
 def route_sigmoid_group(logits_TE, bias_E, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                         scaling: float):
-    """Sigmoid group-limited top-k (module doc). Returns (weights_TX fp32, experts_TX int32).
-
-    Excluded groups' experts get -inf before the final top-k, so they are never chosen (even when
-    biased scores are negative)."""
+    """Sigmoid group-limited top-k (docs/internals/model_code.md). Returns (weights_TX fp32,
+    experts_TX int32); excluded groups' experts are never chosen."""
     T, E = logits_TE.shape
     s_TE = jax.nn.sigmoid(logits_TE)
     r_TE = s_TE + bias_E.astype(jnp.float32)[None, :]
@@ -166,11 +146,9 @@ def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
 
 
 class MoE(nn.Module):
-    """Routed SwiGLU experts (+ shared experts). x_BSD -> y_BSD. Params: router (D, E),
-    router_bias (E) (sigmoid_group only), experts (E, D, F) / (E, F, D), and shared/{gate,up,down}_proj
-    (D, Fs) / (Fs, D) with Fs = F * num_shared_experts when num_shared_experts > 0.
-    The expert weights may be stacked.LayerSlices (models/stacked.py): the tiled path reads them
-    from the layer stack tile by tile; the other paths take the layer's slice."""
+    """Routed SwiGLU experts (+ shared experts). x_BSD -> y_BSD. Params: router (D, E), router_bias (E)
+    (sigmoid_group), experts (E, D, F) / (E, F, D), shared/{gate,up,down}_proj (D, Fs) / (Fs, D),
+    Fs = F * num_shared_experts. Expert weights may be stacked.LayerSlices."""
     cfg: ModelConfig
     impl: str = "auto"
     dtype: jnp.dtype = jnp.float32

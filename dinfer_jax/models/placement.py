@@ -1,7 +1,6 @@
-"""Param placement on a mesh: each param's sharding read from the model's own logical-axis
-declarations (models/layers.py `param`) through sharding.LOGICAL_RULES, the mesh-fit check, and
-placing host or device params as global arrays. Lives beside the model so that sharding.py (the
-rules and meshes) imports no model."""
+"""Param placement on a mesh: each param's sharding from the model's logical-axis declarations
+through sharding.LOGICAL_RULES, the mesh-fit check, and placing params as global arrays (kept beside
+the model so that sharding.py imports no model)."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -24,11 +23,9 @@ def param_logical_axes(cfg) -> dict[str, tuple]:
 
 def param_shardings(cfg, mesh: Mesh, shapes: dict | None = None,
                     quantization: dict | None = None) -> dict[str, NamedSharding]:
-    """{path: NamedSharding} for every param of `cfg` on `mesh`; ShardingError if the mesh does
-    not divide the experts, query heads or FFN dim. quantization ({path: {kind, n_in, n_out}}, a
-    quantized checkpoint's manifest entry): the quantized values keep the weight's sharding and
-    `path@scale` gets quant.scale_axes of the weight's logical axes (non-strict: a block-scale dim
-    the mesh does not divide stays replicated)."""
+    """{path: NamedSharding} for every param of `cfg` on `mesh`; ShardingError if the mesh does not
+    divide the experts, query heads or FFN dim. quantization (a manifest's {path: {kind, n_in, n_out}}):
+    `path@scale` leaves get quant.scale_axes (non-strict)."""
     shapes = shapes or {k: v.shape for k, v in abstract_params(cfg).items()}
     axes = param_logical_axes(cfg)
     out = {k: NamedSharding(mesh, logical_spec(axes[k], tuple(shapes[k]), mesh, strict=True, what=k))

@@ -1,32 +1,10 @@
 """Weight-only quantization: a `QuantizedWeight` pytree and the one matmul the layers use.
 
-A weight of shape (lead..., in..., out...) (DESIGN.md letters: e.g. q_proj (D, N, H): in = D,
-out = N, H; o_proj (N, H, D): in = N, H; experts (E, D, F): lead = E, in = D; stacked layers add
-a leading L_) is stored as
-  q      the weight's shape, int8 or float8_e4m3fn;
-  scale  fp32:
-    int8  per output channel, symmetric: the weight's shape with the `in` dims set to 1;
-          scale = max|w| over the in dims / 127, q = round(w / scale) in [-127, 127].
-    fp8   per 128 x 128 block of the (K = prod(in), N = prod(out)) matrix, as LLaDA2.1 and
-          DeepSeek-V3 ship fp8: shape (lead..., ceil(K/128), ceil(N/128)); scale = max|w_block| / 448,
-          q = float8_e4m3fn(w / scale) (round to nearest even).
-A zero channel / block gets scale 1 (q = 0). `kind`, `n_in` (number of in dims) and `n_out`
-(number of out dims) are static pytree metadata, so slicing lead dims (nn.scan over layers,
-w[layer, e] in the expert loops) keeps a valid QuantizedWeight.
-`out_first` (static; n_in = n_out = 1 only): the weight is stored (lead..., out, in), like the LM
-head's (V, D) unembedding table; q and scale are then exactly the transposes (last two dims) of
-the in-first q and scale of the transposed weight, and matmul dequantizes tiles of rows.
-
-`matmul(x, w)` contracts x's last n_in dims with w's in dims: y = x (..., in...) -> (..., out...).
-The dequantization happens INSIDE the matmul, one tile of output columns at a time (at most
-DEQUANT_TILE_ELEMS dequantized elements live at once): XLA:CPU does not fuse a convert into a
-dot, so `x @ q.astype(f32)` would materialise the whole weight in full precision (measured:
-temp bytes = the fp32 weight). Per column tile:
-  int8  y_tile = (x @ q_tile.astype(x.dtype)) * scale_tile (exact factorisation: the scale is
-        constant over the contraction);
-  fp8   w_tile = q_tile * scale expanded over its 128 x 128 blocks, y_tile = x @ w_tile
-        (tiles are a multiple of 128 columns so a tile never splits a block column). Scaling the
-        per-k-block partial products instead would need a (..., K/128, N) intermediate.
+A weight (lead..., in..., out...) is stored as q (its shape; int8 or float8_e4m3fn) and an fp32
+scale: int8 per output channel (the in dims set to 1), fp8 per 128 x 128 block (lead...,
+ceil(K/128), ceil(N/128)). `matmul(x, w)`: x (..., in...) -> (..., out...), dequantizing inside the
+matmul one tile of output columns at a time. Layout, rounding, out-first weights and why tiles:
+docs/internals/quantization.md.
 """
 from __future__ import annotations
 
@@ -53,7 +31,7 @@ def check_kind(kind) -> str:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """q (lead..., in..., out...) int8 | float8_e4m3fn and its fp32 scale (module doc)."""
+    """q (lead..., in..., out...) int8 | float8_e4m3fn and its fp32 scale (docs/internals/quantization.md)."""
     q: jax.Array
     scale: jax.Array
     kind: str = dataclasses.field(metadata=dict(static=True))
@@ -96,7 +74,7 @@ def _swap_last2(t: tuple) -> tuple:
 
 
 def scale_shape(shape, kind: str, n_in: int, n_out: int, out_first: bool = False) -> tuple:
-    """The fp32 scale's shape for a weight of `shape` (module doc)."""
+    """The fp32 scale's shape for a weight of `shape`: int8 in dims -> 1; fp8 (lead..., K/128, N/128) rounded up."""
     if out_first:
         _check_out_first(n_in, n_out)
         return _swap_last2(scale_shape(_swap_last2(tuple(shape)), kind, 1, 1))
@@ -108,9 +86,8 @@ def scale_shape(shape, kind: str, n_in: int, n_out: int, out_first: bool = False
 
 
 def scale_axes(axes: tuple, kind: str, n_in: int, n_out: int, out_first: bool = False) -> tuple:
-    """Logical axes of the scale leaf from the weight's: int8 keeps the lead and out axes (the in
-    dims have size 1); fp8 keeps the lead axes and names its two block dims after the first in and
-    first out axis (a shard of whole blocks follows the weight's split of those dims)."""
+    """Logical axes of the scale leaf from the weight's (int8: lead and out axes; fp8: lead axes, block
+    dims named after the first in and out axis)."""
     if out_first:
         _check_out_first(n_in, n_out)
         return _swap_last2(scale_axes(_swap_last2(tuple(axes)), kind, 1, 1))
@@ -121,8 +98,7 @@ def scale_axes(axes: tuple, kind: str, n_in: int, n_out: int, out_first: bool = 
 
 
 def quantize(w, kind: str, n_in: int = 1, n_out: int = 1, out_first: bool = False) -> QuantizedWeight:
-    """A float weight (numpy or jax, any float dtype) -> QuantizedWeight with numpy leaves, computed
-    in fp32 on the host (deterministic: the converter and tests get the same bits)."""
+    """A float weight (numpy or jax) -> QuantizedWeight with numpy leaves, computed in fp32 on the host."""
     check_kind(kind)
     w = np.asarray(w, dtype=np.float32)
     if out_first:
@@ -171,8 +147,8 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32):
 
 
 def _column_tile(K: int, N: int, multiple: int) -> int:
-    """Columns per dequantized tile: N when K*N fits DEQUANT_TILE_ELEMS, else the largest divisor
-    of N that is a multiple of `multiple` and fits (N itself when none does)."""
+    """Columns per dequantized tile: N when K*N fits DEQUANT_TILE_ELEMS, else the largest fitting divisor
+    of N that is a multiple of `multiple` (N when none)."""
     if K * N <= DEQUANT_TILE_ELEMS:
         return N
     best = N
@@ -198,8 +174,7 @@ def _dequant_tile(q_KN, scale, start, tn, K, dtype, kind):
 
 
 def _output_tiles(tile, M: int, N: int, tn: int, dtype):
-    """y (M, N) from tile(start, n) -> (M, n) output columns: one call when tn == N, else a
-    fori_loop over the N // tn tiles (one dequantized weight tile live at a time)."""
+    """y (M, N) from tile(start, n) -> (M, n) output columns: one call, or a fori_loop over N // tn tiles."""
     if tn == N:
         return tile(0, N)
 
@@ -209,10 +184,8 @@ def _output_tiles(tile, M: int, N: int, tn: int, dtype):
 
 
 def matmul(x, w, precision=None):
-    """x (..., in...) contracted with w's in dims -> (..., out...).
-
-    w: a plain array (one in dim: x @ w) or a QuantizedWeight without lead dims (see module doc
-    for the tile-wise dequantization). The output has x's dtype."""
+    """x (..., in...) contracted with w's in dims -> (..., out...) in x's dtype. w: a plain array (one
+    in dim) or a QuantizedWeight without lead dims (dequantized tile by tile)."""
     if not isinstance(w, QuantizedWeight):
         return jnp.matmul(x, w, precision=precision)
     if w.n_lead:
@@ -242,8 +215,7 @@ def matmul(x, w, precision=None):
 
 
 def _matmul_out_first(x, w: QuantizedWeight, precision=None):
-    """x (..., K) contracted with an out-first (N, K) QuantizedWeight -> (..., N), one tile of
-    rows (contiguous in q) dequantized at a time: y_tile = x @ w_tile.T."""
+    """x (..., K) with an out-first (N, K) QuantizedWeight -> (..., N), one tile of rows at a time."""
     N, K = w.shape
     if x.shape[-1] != K:
         raise ValueError(f"matmul: x {x.shape} does not end with the out-first weight's in dim {K}")
@@ -362,10 +334,8 @@ def quantize_abstract(flat: dict, kind: str) -> dict:
 
 
 def spec_like(w, spec):
-    """The shard_map in_spec of a weight that has PartitionSpec `spec` when unquantized: a plain
-    spec for an array; for a QuantizedWeight, `spec` for q and its scale_axes-style spec for the
-    scale (fp8: a block-scale dim on a mesh axis needs the shard to hold whole 128-blocks, which
-    shard_map checks when the scale dim does not divide)."""
+    """The shard_map in_spec of a weight whose unquantized spec is `spec`: `spec` for an array; for a
+    QuantizedWeight, `spec` for q and a scale_axes-style spec for the scale."""
     if not isinstance(w, QuantizedWeight):
         return spec
     from jax.sharding import PartitionSpec as P
@@ -382,10 +352,8 @@ def expert_matmul(x_TD, w_EDF):
 
 
 def ragged_matmul(x_RD, w_EDF, group_sizes_E):
-    """lax.ragged_dot for a plain or quantized expert stack. int8: ragged_dot with the unscaled
-    q then each row times its expert's channel scales (exact factorisation); fp8: the stack
-    dequantized, then ragged_dot (XLA may materialise the dequantized stack here; the tiled and
-    dense expert paths never do)."""
+    """lax.ragged_dot for a plain or quantized expert stack (int8: scaled after the dot, exact; fp8: the
+    stack dequantized first, docs/internals/quantization.md)."""
     if not isinstance(w_EDF, QuantizedWeight):
         return jax.lax.ragged_dot(x_RD, w_EDF, group_sizes_E)
     if w_EDF.kind == "int8":

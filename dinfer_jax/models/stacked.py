@@ -1,25 +1,9 @@
 """The layer loop over layer-stacked params, and matmuls that read a layer's weight from the stack.
 
-Params carry a leading layer axis (nn.scan in models/transformer.py). Inside a loop over layers,
-slicing layer i out of a stack is a dynamic-slice, and XLA:CPU copies every such slice before the
-dot that reads it (it cannot fuse a dynamic-slice into a dot operand, nor alias a slice of a
-buffer): measured (bench/profile_forward.py, bench/RESULTS.md) up to 49% of a 7B-A1B window
-forward copying the layer's experts, 27% of a medium dense one copying its projections.
-
-`scan_layers` runs the stack as a lax.scan over layer indices. Each layer gets its small params
-(norm scales, biases, router) sliced as usual and its matmul weights (quant.QUANTIZED_PARAMS:
-attention projections, MLP / expert / shared-expert matrices) as `LayerSlice(stack, layer)`,
-which the matmul helpers below resolve. Where reading in place pays (one CPU device: the
-`in_place` decision is made here, from the compile target and the mesh, never in the model files),
-`matmul` with few rows (a window forward; TILE_MAX_ROWS) walks the output columns in tiles of at
-most TILE_ELEMS weight elements, each tile a dynamic-slice of the stack that stays in cache until
-its dot reads it, instead of one copy of the whole matrix; elsewhere a LayerSlice is simply w[layer] (what nn.scan would have sliced), so
-accelerator programs are unchanged. The MoE tiled path (pallas_kernels.moe.swiglu_experts_tiled)
-reads w[layer, expert] from the stack through `expert_matmul` (one expert's matrix per tile, never
-the layer's whole expert stack).
-
-Same params, same values; per output element the same dot (the tiles split columns, never the
-contraction).
+`scan_layers` runs the stack as a lax.scan over layer indices, handing each layer its matmul weights
+as `LayerSlice(stack, layer)`. On one CPU device (`in_place`) the matmuls read a LayerSlice from the
+stack in column tiles (XLA:CPU would copy every slice); elsewhere it is simply w[layer]. Same values,
+same dots. Why and measurements: docs/internals/model_code.md.
 """
 from __future__ import annotations
 
@@ -80,9 +64,8 @@ def resolve(w):
 
 
 def _column_tile(K: int, N: int) -> int:
-    """Columns per in-place tile: the largest divisor of N that is a multiple of 128 with
-    K * tile <= TILE_ELEMS, else the smallest such divisor (a tall matrix); 0 when the whole
-    matrix fits in one tile or N has no such divisor (then the matrix is sliced whole)."""
+    """Columns per in-place tile (a divisor of N, multiple of 128, K * tile <= TILE_ELEMS when one
+    exists); 0: slice the matrix whole."""
     if K * N <= TILE_ELEMS:
         return 0
     divisors = [t for t in range(128, N, 128) if N % t == 0]
@@ -91,9 +74,8 @@ def _column_tile(K: int, N: int) -> int:
 
 
 def matmul_in_place(x_MK, stack, idx: tuple, K: int, N: int):
-    """x_MK @ stack[idx] (a (K, N) matrix after the leading indices idx; its trailing dims are
-    reshaped to (K, N) for free) without copying the whole matrix: column tiles, one dot each
-    (for at most TILE_MAX_ROWS rows; else one slice of the matrix, then one dot)."""
+    """x_MK @ stack[idx] ((K, N) after the leading indices) in column tiles, one dot each (for at most
+    TILE_MAX_ROWS rows; else one slice, one dot)."""
     lead = len(idx)
     w = stack.reshape(stack.shape[:lead] + (K, N))
     tn = _column_tile(K, N)
@@ -139,11 +121,8 @@ def einsum(spec: str, x, w):
 
 
 def expert_matmul(rows, w, e):
-    """rows @ w[e] for an expert stack w (E, D, F): a plain array, a QuantizedWeight, or a
-    LayerSlice of a layer-stacked one, whose tile reads w[layer, e] straight from the stack: XLA
-    copies that one expert's matrix (contiguous) before the dot, never the layer's whole stack.
-    Column tiles of an expert (matmul_in_place) measured slower at 7B-A1B widths on an idle
-    2-core box (bench/RESULTS.md, issue 19 item 2): strided 1 MiB copies + N=128 GEMMs."""
+    """rows @ w[e] for an expert stack w (E, D, F): a plain array, a QuantizedWeight, or a LayerSlice
+    (w[layer, e] read straight from the stack, never the layer's whole stack)."""
     if isinstance(w, LayerSlice):
         return rows @ w.stack[w.layer, e]
     return rows @ w[e]
@@ -163,15 +142,11 @@ def _is_matmul_weight(path) -> bool:
 
 def scan_layers(fn, stacked_params: dict, carry, xs, platform: str | None = None, mesh=None,
                 update: tuple | None = None):
-    """lax.scan over the layer stack: (carry, ys_i) = fn(params_i, carry, xs_i) for each layer i,
-    params_i holding its matmul weights as LayerSlices (module doc) and its other params sliced.
-    fn typically applies an unbound Flax layer: module.apply({"params": params_i}, ...).
-    Returns (carry, ys stacked over layers).
+    """lax.scan over the layer stack: (carry, ys_i) = fn(params_i, carry, xs_i), params_i's matmul
+    weights as LayerSlices. Returns (carry, ys stacked over layers).
 
-    update = (offset, rows): xs are updated in place instead: layer i reads xs[offset + i] (its rows
-    `rows`, an (R,) array of distinct indices, when not None), and fn's ys_i is written back there; returns
-    (carry, the updated xs). The stacks ride in the scan's carry, so XLA updates their buffer in
-    place: no second stack of the xs' size exists (a cache refresh, dinfer_jax/cache.py)."""
+    update = (offset, rows): layer i reads xs[offset + i] (rows `rows`, (R,) distinct, when given) and
+    ys_i is written back there in place; returns (carry, the updated xs)."""
     in_place = reads_in_place(platform, mesh)
     n = jax.tree_util.tree_leaves(stacked_params)[0].shape[0]
 

@@ -1,30 +1,7 @@
-"""The decoder stack shared by every family (LLaDA dense, LLaDA-MoE, LLaDA2.x, Dream).
-
-Attention is full bidirectional or block-causal (cfg.attention_mask; block size
-`attention_block`, default cfg.block_size). MoE models may lead with `first_k_dense` dense-FFN
-layers: those form a second, separately scanned stack `dense_layers` that runs first.
-
-Pure-functional Flax Linen: `Transformer(cfg).apply({"params": params}, ...)`. Layers are stacked
-with `nn.scan` (params carry a leading layer axis), which keeps compile time flat in depth.
-Outside init, the stack runs through models/stacked.py's scan_layers (a lax.scan over layer
-indices), which hands each layer its matmul weights as slices of the stack that the kernel
-helpers read in place where that pays (XLA:CPU copies every layer slice it takes of a stacked
-weight otherwise; bench/RESULTS.md). Same params, same values, same results.
-
-Param tree (shapes; L_ = layers):
-  embed/embedding (V, D)
-  layers/attn_norm/scale (L_, D)          layers/mlp_norm/scale (L_, D)
-  layers/attn/{q,k,v}_proj (L_, D, N|K, H) layers/attn/o_proj (L_, N, H, D)
-  layers/attn/{q,k}_norm/scale (L_, H)     (qk_norm only)
-  layers/attn/q_bias (L_, N, H), {k,v}_bias (L_, K, H)   (qkv_bias only)
-  layers/mlp/{gate,up}_proj (L_, D, F), down_proj (L_, F, D)               (dense)
-  layers/mlp/router (L_, D, E), {gate,up}_proj (L_, E, D, F), down_proj (L_, E, F, D)   (MoE)
-  layers/mlp/router_bias (L_, E)   (sigmoid_group router)
-  layers/mlp/shared/{gate,up}_proj (L_, D, Fs), down_proj (L_, Fs, D)   (shared experts)
-  dense_layers/...  (first_k_dense, ...) like layers/, with a dense mlp of dense_intermediate_size
-  final_norm/scale (D)    lm_head/unembedding (V, D)   (absent when tie_word_embeddings; stored
-                          like the embedding table: XLA:CPU reads a (V, D) table at ~2x the
-                          speed of a (D, V) one at 7B-A1B's vocab, bench/RESULTS.md)
+"""The decoder stack shared by the registered families: full bidirectional or block-causal
+attention, dense or MoE FFN (a MoE model's leading `first_k_dense` dense layers form a second stack,
+`dense_layers`, run first). Params carry a leading layer axis (nn.scan at init); outside init the
+stack runs through stacked.scan_layers. Param tree and shapes: docs/internals/model_code.md.
 """
 from __future__ import annotations
 
@@ -47,16 +24,14 @@ ACT_AXES = ("batch", "length", "embed")
 
 
 def kv_axes(cfg: ModelConfig, mesh) -> tuple:
-    """Logical axes of a layer's cached (B, L, K*H) K or V: the merged dim splits over the model axis
-    by whole heads, so only when that axis divides K (else replicated, as sharding.LOGICAL_RULES
-    does for kv_heads)."""
+    """Logical axes of a layer's cached (B, L, K*H) K or V (the merged dim over the model axis only when
+    it divides K)."""
     return ("batch", "length", "kv_heads" if whole_kv_heads(mesh, cfg.num_kv_heads) else None)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)). Scanned over layers.
-    The mlp is the MoE in a MoE model's main stack, else a dense SwiGLU (`dense_ffn`: the leading
-    dense layers of a MoE model, width cfg.dense_intermediate_size)."""
+    """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)); mlp: MoE in a MoE model's main
+    stack, else dense SwiGLU (`dense_ffn`: width cfg.dense_intermediate_size)."""
     cfg: ModelConfig
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
@@ -90,19 +65,12 @@ class Transformer(nn.Module):
     -> (logits fp32, (k_LBLF, v_LBLF)),
     leading L = all layers (dense_layers first), F = K*H (the cache's layout, dinfer_jax/cache.py).
 
-    Without `kv`, the S inputs are the whole sequence (L == S). With `kv` (per-layer full-length
-    caches stacked over layers), the S inputs are per-row windows starting at `window_start`
-    (scalar or (B,)); their fresh K/V are written into a copy of the cache (where kv_write_BS, if
-    given) before attention, and those copies are returned.
-    kv_in_place=True: the same, but each layer writes its copy back into `kv` inside the layer scan
-    (stacked.scan_layers' update), so the returned cache reuses kv's buffer (no second stacked cache;
-    for forwards whose K/V persist, i.e. refreshes). kv_rows (R,): the B inputs are those rows of
-    kv's batch, distinct (gathered per layer, written back in place).
-    key_mask_BL: True for keys that may be attended (False = padding).
-    logits_window=(starts_B, size): compute logits only for that per-row slice of the S outputs
-    -> (B, size, V); default all S -> (B, S, V).
-    Block-causal models: query s sees key l iff key_pos // block <= query_pos // block, over
-    positions_BS and key_positions_BL (needed with `kv`; without it the keys are the inputs).
+    Without `kv`, the S inputs are the whole sequence. With `kv` (full-length caches stacked over
+    layers) they are per-row windows at `window_start` (scalar or (B,)) whose K/V are written into a
+    returned copy (where kv_write_BS); kv_in_place=True writes back into kv's buffer; kv_rows (R,):
+    the inputs are those distinct rows of kv's batch. key_mask_BL: True = attend.
+    logits_window=(starts_B, size) -> (B, size, V) logits, else (B, S, V). Block-causal models mask
+    over positions_BS / key_positions_BL (docs/internals/model_code.md).
     """
     cfg: ModelConfig
     moe_impl: str = "auto"
@@ -141,8 +109,8 @@ class Transformer(nn.Module):
 
     def _run_stack(self, name: str, dense_ffn: bool, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
                    key_positions_BL, update=None):
-        """The layer stack `name` over x (nn.scan at init; else stacked.scan_layers, module doc;
-        update: scan_layers' in-place update of kv)."""
+        """The layer stack `name` over x (nn.scan at init; else stacked.scan_layers; update: scan_layers'
+        in-place update of kv)."""
         if self.is_initializing():
             return getattr(self, name)(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL)
         layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size,
@@ -208,8 +176,7 @@ class Transformer(nn.Module):
 
 
 def _init_as_v1_kernel(key, shape, dtype):
-    """The (V, D) table's init: the transpose of the (D, V) kernel that checkpoint format v1 drew from
-    the same key, so a seeded random model (tests, benchmarks) is the same model as before v2."""
+    """The (V, D) table's init: the transpose of v1's (D, V) kernel from the same key (same seeded model)."""
     return _default_init(key, tuple(shape)[::-1], dtype).T
 
 

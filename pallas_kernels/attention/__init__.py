@@ -1,20 +1,9 @@
 """Masked-token attention (dLLM window queries over a full-length K/V): full bidirectional, or
-block-causal (`block_size > 0`, over per-row query/key positions), with a key-padding mask.
-
-`attention(q, k, v, key_mask, q_pos_BS=, k_pos_BL=, block_size=, impl=...)` dispatches:
-  "xla" / "reference": pallas_kernels.attention.reference (pure-JAX einsums compiled by XLA,
-               fp32 scores/softmax/accumulation) -- the reference every kernel is tested against;
-  "cudnn":     jax.nn.dot_product_attention(implementation="cudnn") (GPU only; for benchmarks);
-  "pallas":    the Pallas flash kernel (kernel.py): Mosaic on TPU, Triton on GPU, interpreter on CPU;
-  "auto":      the path expected to be fastest on the target platform: "pallas" on TPU and GPU (it
-               streams the cache in tiles; "xla" materialises fp32 (B,N,S,L) scores, "cudnn" a dense
-               (B,N,S,L) mask), "xla" on CPU (the interpreter is slow). On GPU measured on one H200 (faster than XLA and
-               cuDNN from batch 8; 0.79x XLA at batch 1 before the kv split); on TPU expected, not
-               measured (docs/accelerators.md).
-
-`platform` is the platform the program is compiled FOR ("cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None =
-jax.default_backend() at trace time), so an AOT export for TPU from a CPU host gets the Mosaic kernel.
-The kernel is interpreted only when the target is CPU, or when interpret=True is passed.
+block-causal (`block_size > 0`), with a key-padding mask. `attention(..., impl=)` dispatches to
+"xla" / "reference" (pure JAX, fp32), "cudnn" (GPU, benchmarks), "pallas" (kernel.py: Mosaic on TPU,
+Triton on GPU, interpreter on CPU) or "auto" ("pallas" on TPU and GPU, "xla" on CPU). `platform` is
+the compile target (None = jax.default_backend()); the kernel is interpreted only for a CPU target or
+with interpret=True. Why these choices, and measurements: docs/internals/kernels.md.
 """
 from __future__ import annotations
 
@@ -39,7 +28,7 @@ def target_platform(platform: str | None) -> str:
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """The concrete attention path for `impl` on the target platform ("auto" -> see module doc)."""
+    """The concrete attention path for `impl` on the target platform ("auto": module doc)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
     if impl == "auto":
@@ -70,10 +59,8 @@ def attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_
               platform: str | None = None, mesh=None, batch_axes: tuple = (), head_axes: tuple = ()):
     """(B,S,N,H) queries over (B,L,K,H) keys/values -> (B,S,N,H). key_mask_BL: True = attend;
     block_size > 0: block-causal over q_pos_BS (B,S) / k_pos_BL (B,L) (reference.allowed_mask).
-    platform: the compile target (module doc); interpret: None = only when the target is CPU.
-    mesh: a multi-device mesh the inputs are sharded over: the Pallas kernel (which GSPMD cannot
-    partition) then runs per shard in a shard_map, rows split over `batch_axes`, query and kv heads
-    over `head_axes` (K must divide by their size; each shard keeps whole GQA groups)."""
+    platform: the compile target; interpret: None = only when the target is CPU. mesh: the Pallas
+    kernel runs per shard in a shard_map, rows over `batch_axes`, heads over `head_axes` (K must divide)."""
     platform = target_platform(platform)
     impl = resolve_impl(impl, platform)
     mask_kw = dict(q_pos_BS=q_pos_BS, k_pos_BL=k_pos_BL, block_size=block_size)

@@ -1,49 +1,12 @@
 """Flash-style masked-token attention in Pallas for the dLLM window case (Mosaic TPU / Triton GPU).
 
-Queries: the S window tokens (a block, block +/- vicinity, or the whole canvas); keys/values: the
-full L-length K/V cache (B, L, K, H) with the window's fresh K/V already in place; GQA; a per-row
-key-padding mask; optionally the block-causal mask (key l visible to query s iff
-k_pos[l] // block_size <= q_pos[s] // block_size), built per tile in-kernel from small int inputs:
-  qblk (B, S_pad, 1)  query block id per row (0 when not block-causal),
-  kinfo (B, 2, L_pad) row 0: key block id; row 1: 1 valid key, 0 masked key, -1 tile padding.
-Masked keys score -1e30 (an all-masked row gives the reference's uniform softmax over the L real
-keys); tile-padding keys score -2e30, so they never count, even in an all-masked row.
-
-Layout (the TPU tiling rule: the minor two dims of every block are divisible by (8, 128) or equal
-to the array's dims). The cache is NOT transposed: it is viewed, for free, as (B, L, K*H) and read
-in (block_kv, W) column blocks, W = P*H lanes holding P consecutive kv heads, P the smallest
-divisor of K with P*H % 128 == 0 (P = 1 for H = 128; P = 2 for H = 64), else P = K (then W is the
-whole minor dim). The queries, only S rows, are rearranged to (B, K/P, G, S_pad, W) (G = N/K query
-heads per kv head; lanes of kv head p hold query head (j*P + p)*G + g), so one program reads one
-column block of the cache for all G*P query heads it serves; for P > 1, kv head p's scores use q
-with the other heads' lanes zeroed (a full 128-deep contraction, which the MXU does anyway) and
-its P@V result is kept on its own lanes. The output goes back through the inverse rearrangement.
-
-TPU ("tpu", Mosaic): grid (B, K/P, S_pad/bq, L_pad/bkv), the last axis "arbitrary" (a reduction
-over kv tiles with fp32 running max / sum / accumulator in VMEM scratch), the others "parallel";
-VMEM holds O(bq*W + bkv*W) per step whatever L is (32k caches fit); the cache is not padded (a
-partial last kv tile is masked in-kernel), so a forward reads it once and copies none of it.
-GPU ("gpu", Triton): grid (B, K, S_pad/bq) (P = 1). The wrapper lays the queries out as
-(B, K, S_pad/bq, R, H) with R = G*bq rows per program (row g*bq + s: query head g of the group,
-window row s), so one program serves the whole query group of its kv head with ONE dot per kv tile
-(the kv tile is read once for all G heads) and streams the kv tiles with a fori_loop over the
-full-length ref. Dots take the input dtype (bf16 operands, fp32 accumulation; probabilities are
-cast to V's dtype for P@V, as flash attention does on GPUs); fp32 inputs use full-precision dots
-(no TF32). Triton needs every in-kernel array power-of-2 sized, so bq, bkv, R are powers of two
-(R >= 16 for tl.dot), and H and G must be too: a query group G that is not one (Qwen2.5-7B: 28/4 =
-7) is padded with zero queries to the next power of two. Shared memory: Triton keeps `num_stages`
-copies of the K and V tiles in flight; a Hopper SM offers 227 KiB per block (232448 bytes: measured,
-an H200 refused bkv=512, H=128, bf16 with "requested 561152, available 232448"), so bkv is capped
-by GPU_SMEM_BUDGET (see gpu_tiles) and R by 128 rows (registers: the fp32 (R, bkv) score tile and
-(R, H) accumulator).
-kv split (flash-decoding, GPU only): when B*K*nq programs would leave most SMs idle (B=1, S=64,
-16 kv heads: 16 programs on an H200's 132 SMs), the padded kv axis is cut into n_split contiguous
-chunks of whole bkv tiles (gpu_split; GPU_TARGET_PROGRAMS), the grid becomes (B, K, nq, n_split),
-each program runs the same online softmax over its chunk and writes its UNNORMALISED fp32
-accumulator with its running max m and sum l, and plain JAX merges the chunks (_combine_splits:
-weights exp(m_c - max m), fully-masked rows keep the uniform-average rule). Larger grids (B=8 at
-that shape: 128 programs) keep the one-pass kernel unchanged. BlockSizes.kv_splits overrides.
-Interpret mode (interpret=True) runs either body on any platform; that is how CPU tests check it.
+S window queries (B, S, N, H) over the full-length K/V cache (B, L, K, H) with the window's fresh K/V
+in place; GQA, a per-row key-padding mask, optionally the block-causal mask built per tile from small
+int inputs (qblk (B, S_pad, 1) query block ids; kinfo (B, 2, L_pad): key block ids, and 1 valid / 0
+masked / -1 tile padding). Masked keys score -1e30 (an all-masked row: uniform softmax over the L
+real keys); padding keys -2e30. The GPU body may split the kv axis (flash-decoding) on small grids.
+interpret=True runs either body on any platform. Layout, grids, tile budgets, the kv split:
+docs/internals/kernels.md.
 """
 from __future__ import annotations
 
@@ -61,12 +24,8 @@ BACKENDS = ("tpu", "gpu")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query and key/value tile lengths: block_q a multiple of 8, block_kv a multiple of 128 (the TPU
-    lane rule for the per-key mask tile; a cache shorter than block_kv is one whole tile). The
-    Triton path rounds both down to powers of two. kv_splits: the Triton path's kv split
-    (flash-decoding, see gpu_tiles): 0 picks it from the grid size, 1 turns it off, n > 1 forces n
-    chunks (capped at the number of kv tiles; tests use it to run the split at small shapes). The
-    TPU body ignores it."""
+    """Tile lengths: block_q a multiple of 8, block_kv a multiple of 128 (Triton rounds both down to
+    powers of two). kv_splits (Triton only): 0 automatic, 1 off, n > 1 forces n chunks."""
     block_q: int = 64
     block_kv: int = 512
     kv_splits: int = 0  # GPU body only: 0 = automatic (gpu_tiles), 1 = never split the kv axis, n = n chunks
@@ -96,7 +55,7 @@ def _pow2_ceil(n: int) -> int:
 
 
 def heads_per_block(K: int, H: int) -> int:
-    """P: kv heads per cache column block of the TPU body (see module doc; the GPU body uses P = 1)."""
+    """P: kv heads per cache column block of the TPU body (P*H % 128 == 0; the GPU body uses P = 1)."""
     for p in range(1, K + 1):
         if K % p == 0 and (p * H) % 128 == 0:
             return p
@@ -119,8 +78,8 @@ GPU_SPLIT_MAX_FRACTION = 4
 
 
 def tpu_tiles(S: int, L: int, block_sizes: BlockSizes):
-    """(bq, bkv, S_pad, L_pad) for the TPU body (see module doc): a cache of L <= block_kv is one
-    whole-length tile (legal whatever L is), else block_kv tiles with a partial last one."""
+    """(bq, bkv, S_pad, L_pad) for the TPU body: L <= block_kv is one whole-length tile, else block_kv
+    tiles with a partial last one."""
     bq = min(block_sizes.block_q, _round_up(S, 16))
     bkv = min(block_sizes.block_kv, L)
     return bq, bkv, _round_up(S, bq), _round_up(L, bkv)
@@ -128,13 +87,9 @@ def tpu_tiles(S: int, L: int, block_sizes: BlockSizes):
 
 def gpu_split(programs: int, num_kv_blocks: int, kv_splits: int = 0,
               target: int = GPU_TARGET_PROGRAMS) -> tuple[int, int]:
-    """(n_split, chunk_blocks): the Triton body's kv split (flash-decoding) for a grid of `programs`
-    = B*K*nq programs over num_kv_blocks bkv tiles. Automatic (kv_splits == 0): split only when the
-    grid leaves most SMs idle (programs <= target // GPU_SPLIT_MAX_FRACTION; larger grids get n = 1,
-    the unsplit kernel), into n = target // programs chunks (programs * n <= target: one full wave,
-    never a second partial one), never into chunks of fewer than GPU_MIN_SPLIT_TILES tiles. kv_splits = n forces n chunks (1 = off).
-    Chunks are contiguous runs of chunk_blocks = ceil(tiles / n) tiles (the last may be shorter), and
-    n is then recomputed as ceil(tiles / chunk_blocks) so no chunk is empty."""
+    """(n_split, chunk_blocks): the Triton body's kv split for a grid of `programs` = B*K*nq programs
+    over num_kv_blocks tiles; kv_splits = n forces n chunks (1 = off), 0 decides from the grid (rule:
+    docs/internals/kernels.md). Chunks are contiguous runs of chunk_blocks tiles, none empty."""
     if kv_splits:
         n = min(kv_splits, num_kv_blocks)
     else:
@@ -146,11 +101,9 @@ def gpu_split(programs: int, num_kv_blocks: int, kv_splits: int = 0,
 
 def gpu_tiles(S: int, L: int, G: int, H: int, itemsize: int, block_sizes: BlockSizes, *, B: int | None = None,
               K: int | None = None, target_programs: int = GPU_TARGET_PROGRAMS) -> dict:
-    """The Triton body's tiling for a power-of-2 query group G: bq window rows per program (R = G*bq
-    <= GPU_MAX_ROWS, R >= 16), bkv keys per tile (power of 2, >= 16, and num_stages * (K + V tiles)
-    <= GPU_SMEM_BUDGET), the padded lengths, warps and stages; and the kv split (gpu_split) for a
-    grid of B*K*nq programs: n_split chunks of chunk_blocks tiles (n_split = 1: no split; without
-    B and K only a forced block_sizes.kv_splits splits)."""
+    """The Triton body's tiling for a power-of-2 query group G -> dict: bq (R = G*bq rows, 16..GPU_MAX_ROWS),
+    bkv (K + V tiles in flight <= GPU_SMEM_BUDGET), padded lengths, warps, stages, and the kv split
+    (n_split, chunk_blocks; without B and K only a forced kv_splits splits)."""
     bq = min(_pow2_floor(block_sizes.block_q), _pow2_ceil(S), max(1, GPU_MAX_ROWS // G))
     bq = max(bq, _pow2_ceil(-(-16 // G)))
     per_key = GPU_NUM_STAGES * 2 * H * itemsize
@@ -206,9 +159,8 @@ def _finish(acc, l, *, P: int, H: int):
 
 
 def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H, L):
-    """Grid (b, j, i, t): q/o (G, bq, W), k/v (bkv, W), qblk (bq, 1), kinfo (2, bkv);
-    scratch m, l (G*P, bq, 1), acc (G, bq, W). L: the cache length; when the last kv tile runs past
-    it (the cache is not padded: no copy), its rows past L hold unspecified values and are zeroed."""
+    """Grid (b, j, i, t): q/o (G, bq, W), k/v (bkv, W), qblk (bq, 1), kinfo (2, bkv); scratch m, l
+    (G*P, bq, 1), acc (G, bq, W). L: the cache length (rows of a last tile past L are zeroed)."""
     if len(refs) == 5:  # pre-poisoned output (tests): its aliased input ref comes first
         refs = refs[1:]
     o_ref, m_ref, l_ref, acc_ref = refs
@@ -245,11 +197,9 @@ def _tpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, G, P, H,
 
 def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, bkv, num_kv_blocks, chunk_blocks=0):
     """Grid (b, k, i): q/o (R, H) = the G query heads x bq rows of kv head k; qblk (R, 1); k/v the
-    full (L_pad, H) of kv head k, streamed in bkv tiles; kinfo (2, L_pad).
-    kv split (chunk_blocks > 0): grid (b, k, i, c); program c streams only tiles
-    [c*chunk_blocks, min((c+1)*chunk_blocks, num_kv_blocks)) and writes, unnormalised, its fp32
-    accumulator acc (R, H), running max m (R, 1) and sum l (R, 1) (refs[-3:]); _combine_splits
-    normalises."""
+    full (L_pad, H) of kv head k, streamed in bkv tiles; kinfo (2, L_pad). kv split (chunk_blocks > 0):
+    grid (b, k, i, c); program c streams its chunk of tiles and writes unnormalised fp32 acc (R, H),
+    m and l (R, 1) (refs[-3:]) for _combine_splits."""
     qblk = qblk_ref[...]
     kv_dtype = k_ref.dtype
     prec = jax.lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None  # fp32: no TF32
@@ -289,14 +239,8 @@ def _gpu_kernel(q_ref, k_ref, v_ref, qblk_ref, kinfo_ref, *refs, scale, bkv, num
 
 def _combine_splits(acc, m, l):
     """The kv split's partials -> attention output (fp32), in plain JAX: acc (..., n, R, H), m and l
-    (..., n, R, 1) over the split axis n (-3): sum_c w_c acc_c / sum_c w_c l_c, w_c = exp(m_c - max_c m_c).
-    Same result as one pass over all tiles, fully masked keys included: masked keys score _NEG
-    (finite), so a chunk with no allowed key has m = _NEG and weight exp(_NEG - M) = 0 when the row
-    has an allowed key elsewhere, and weight 1 (with its masked keys counted in l and acc) when the
-    row has none, which is the uniform average over the L real keys of the unsplit kernel and the
-    reference. Tile-padding keys (_PAD) add 0 to l either way, and a chunk of padding only would keep
-    m = _NEG, l = 0, acc = 0 (no NaN); the chunk holding the row's maximum has l >= 1, so the
-    denominator is never 0."""
+    (..., n, R, 1) over the split axis n (-3): sum_c w_c acc_c / sum_c w_c l_c, w_c = exp(m_c - max_c m_c);
+    equal to one pass, all-masked rows included (docs/internals/kernels.md)."""
     w = jnp.exp(m - jnp.max(m, axis=-3, keepdims=True))
     return jnp.sum(w * acc, axis=-3) / jnp.sum(w * l, axis=-3)
 
@@ -339,8 +283,8 @@ def _poison(in_specs: list, args: list, out_spec, out_shape, out_index: int = 0)
 
 
 def _mask_inputs(key_mask_BL, q_pos_BS, k_pos_BL, block_size, B, S, L, S_pad, L_pad):
-    """The kernels' small mask inputs (module doc): qblk (B, S_pad) query block ids (0 when not
-    block-causal) and kinfo (B, 2, L_pad): row 0 key block ids, row 1 1 valid / 0 masked / -1 padding."""
+    """qblk (B, S_pad) query block ids (0 when not block-causal) and kinfo (B, 2, L_pad): row 0 key
+    block ids, row 1 1 valid / 0 masked / -1 padding."""
     valid = jnp.ones((B, L), jnp.int32) if key_mask_BL is None else key_mask_BL.astype(jnp.int32)
     valid = jnp.pad(valid, ((0, 0), (0, L_pad - L)), constant_values=-1)
     if block_size:
@@ -359,11 +303,9 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
                     interpret: bool = False, poison_output: bool = False):
     """Masked-token attention (B,S,N,H) x (B,L,K,H) -> (B,S,N,H), fp32 softmax and accumulation.
 
-    key_mask_BL: True where a key may be attended. block_size > 0: block-causal over q_pos_BS (B,S)
-    and k_pos_BL (B,L). backend: "tpu" (Mosaic) or "gpu" (Triton); interpret=True runs that
-    backend's kernel body in the Pallas interpreter (any platform).
-    poison_output (tests): the output buffer starts as NaN (aliased input), so a tile the kernel
-    fails to write shows up as NaN.
+    key_mask_BL: True = attend. block_size > 0: block-causal over q_pos_BS (B,S) / k_pos_BL (B,L).
+    backend: "tpu" (Mosaic) or "gpu" (Triton); interpret=True: the Pallas interpreter.
+    poison_output (tests): the output starts as NaN, so an unwritten tile shows up.
     """
     validate(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, block_sizes, q_pos_BS=q_pos_BS, k_pos_BL=k_pos_BL,
              block_size=block_size, backend=backend)
@@ -424,10 +366,8 @@ def flash_attention(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, 
 
 def _flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL, block_size, scale, block_sizes,
                          interpret, poison_output):
-    """The Triton body (module doc): queries as (B, K, S_pad/bq, R = G*bq, H), one program per
-    (b, kv head, query tile); the cache padded to a multiple of the power-of-2 kv tile (a copy when L
-    is not one). When that grid is small (gpu_tiles / gpu_split), one program per (b, kv head, query
-    tile, kv chunk), and _combine_splits merges the chunks' partials."""
+    """The Triton body: queries as (B, K, S_pad/bq, R = G*bq, H), one program per (b, kv head, query
+    tile), or per (..., kv chunk) on a small grid (gpu_split; _combine_splits merges)."""
     B, S, N, H = q_BSNH.shape
     L, K = k_BLKH.shape[1], k_BLKH.shape[2]
     G = N // K
@@ -476,10 +416,8 @@ def _gpu_in_specs(R: int, H: int, L_pad: int):
 
 
 def _flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret, poison_output):
-    """The kv-split Triton body: grid (B, K, nq, n_split); program c reads the same q tile and streams
-    kv tiles [c*chunk_blocks, (c+1)*chunk_blocks) of the full-length cache ref (no extra padding: the
-    last chunk may be shorter), writing fp32 partials acc (B, K, nq, n, R, H), m and l (B, K, nq, n,
-    R, 1); _combine_splits merges them (fp32), the caller casts. Returns (B, S, N, H) fp32."""
+    """The kv-split Triton body: grid (B, K, nq, n_split); fp32 partials acc (B, K, nq, n, R, H), m and
+    l (B, K, nq, n, R, 1) merged by _combine_splits. Returns (B, S, N, H) fp32."""
     bq, R, S_pad, L_pad, n = t["bq"], t["R"], t["S_pad"], t["L_pad"], t["n_split"]
     nq = S_pad // bq
     _, in_specs = _gpu_in_specs(R, H, L_pad)

@@ -9,13 +9,9 @@ _NEG = -1e30  # finite: a row whose keys are all masked yields a uniform (not Na
 
 
 def allowed_mask(q_BSNH_shape, key_mask_BL=None, q_pos_BS=None, k_pos_BL=None, block_size: int = 0):
-    """bool (B, 1, S, L) or (B, 1, 1, L) or None: True where query s may attend key l.
-
-    block_size == 0: full bidirectional attention (only the key-padding mask applies).
-    block_size > 0: block-causal: key l is visible to query s iff
-    k_pos_BL[l] // block_size <= q_pos_BS[s] // block_size (bidirectional inside a block,
-    causal across blocks; LLaDA2 / SDAR). Positions are the model's token positions (per row).
-    """
+    """bool (B, 1, S, L) or (B, 1, 1, L) or None: True where query s may attend key l. block_size 0:
+    the key mask only; > 0: also k_pos_BL[l] // block_size <= q_pos_BS[s] // block_size (per-row
+    token positions)."""
     B, S = q_BSNH_shape[0], q_BSNH_shape[1]
     out = None if key_mask_BL is None else key_mask_BL[:, None, None, :]
     if block_size:
@@ -30,14 +26,9 @@ def allowed_mask(q_BSNH_shape, key_mask_BL=None, q_pos_BS=None, k_pos_BL=None, b
 
 def attention_reference(q_BSNH, k_BLKH, v_BLKH, key_mask_BL=None, *, q_pos_BS=None, k_pos_BL=None,
                         block_size: int = 0, scale: float | None = None):
-    """softmax(q k^T * scale + mask) v.
-
-    q_BSNH: queries (S window positions, N query heads); k_BLKH / v_BLKH: keys/values over the
-    full length L with K kv heads (N % K == 0, query head n reads kv head n // (N/K));
-    key_mask_BL: bool, True where a key may be attended (False = padding); block_size > 0 adds the
-    block-causal mask over q_pos_BS / k_pos_BL (see `allowed_mask`). Scores, softmax and the
-    weighted sum accumulate in fp32; the result has q's dtype. Returns out_BSNH.
-    """
+    """softmax(q k^T * scale + mask) v: q_BSNH over k_BLKH / v_BLKH (query head n reads kv head
+    n // (N/K)) -> out_BSNH in q's dtype, fp32 inside. key_mask_BL: True = attend; block_size > 0
+    adds the block-causal mask (`allowed_mask`)."""
     B, S, N, H = q_BSNH.shape
     K = k_BLKH.shape[2]
     if N % K:

@@ -2,57 +2,13 @@
 
     out_MN[m] = lhs_MK[m] @ rhs_GKN[g(m)]
 
-Letters: M rows (tokens x top-k slots, sorted by group), K contraction dim, N output dim, G groups
-(experts), V grid visits along M. Rows of lhs are sorted by group: group g owns the consecutive
-rows [off[g], off[g+1]) with off = [0, cumsum(group_sizes)] (cut at M); rows past
-sum(group_sizes) belong to no group and come out as 0.
-
-Design
-- M is padded to a multiple of the row tile tm; the grid is (N/tn, V, K/tk), K innermost, with an
-  fp32 (tm, tn) accumulator in VMEM scratch that is zeroed at k == 0 and written out at the last k.
-- A "visit" is one (row tile, group) pair. Visits are ordered by group, so row tiles are
-  non-decreasing. A row tile that straddles a group boundary is visited once for each group it
-  touches: every visit multiplies the whole tile by its group's weights and writes only the rows
-  of that group (a masked write); the other rows keep what the earlier visit of the same tile
-  wrote. Consecutive visits of one tile map to the same output block, so the block stays in VMEM
-  between them (Pallas writes an output block back only when its block index changes). The first
-  visit of a tile writes 0 to the rows outside its group, so rows past sum(group_sizes) are 0.
-  Row tiles past sum(group_sizes) get one visit each that only writes zeros (no matmul).
-- Visits per N column: at most tiles_m + G - 1 (each group boundary inside a tile adds one); the
-  grid has that static length, and the steps past the real visit count (a traced value) repeat
-  the last visit's block indices (no new DMA) and do nothing.
-- The visit metadata (group offsets, per-visit group id and row tile, the visit count) is computed
-  in plain JAX from group_sizes and passed as scalar-prefetch operands (SMEM) that drive the
-  BlockSpec index maps: lhs block (tile[v], k), rhs block (group[v], k, n), out block (tile[v], n).
-- Dimension semantics: N "parallel" (independent columns; megacore may split it), V and K
-  "arbitrary" (V revisits output blocks, K reduces into the accumulator).
-
-Block-size rules (checked in `validate`; Mosaic's (8, 128) tiling of the last two block dims):
-- block_m: a multiple of the sublane count, 8 for 32-bit dtypes and 16 for 16-bit ones (lhs and
-  output); shrunk to M rounded up to that multiple when M is smaller.
-- block_k, block_n: a block equal to the whole dim (K or N) is always allowed; otherwise it must
-  be a multiple of 128 and divide K (resp. N). A block larger than the dim is shrunk to the dim.
-  Without block_sizes, `default_block_sizes` picks 128 where it divides, else the whole dim.
-- The same rules are enforced in interpret mode, so a configuration that passes the CPU tests
-  has TPU-legal block shapes.
-
-Quantized rhs (weight-only; dinfer_jax/models/quant.py's QuantizedWeight layout), `rhs_scale` given:
-- The kernel reads the 1-byte rhs tile (tk, tn) from HBM and dequantizes it in VMEM; the float
-  path (no rhs_scale) is the kernel above, unchanged.
-- int8, scale_G1N fp32 per output channel: the tile is converted to the lhs dtype (through fp32:
-  exact, |q| <= 127), lhs @ q accumulates in fp32, and the accumulator is multiplied once by the
-  scale slice (1, tn) when written out (exact factorisation: the scale is constant along K). The
-  scale has its own BlockSpec (squeezed, 1, tn) at (group, 0, n): a block equal to the whole
-  size-1 dim, so any legal tn works.
-- fp8 e4m3 with fp32 scales per 128 x 128 block, scale (G, ceil(K/128), ceil(N/128)): the
-  wrapper carries q as int8 bits (TPUs before v7 have no fp8 in Mosaic) and expands the scales
-  along N to one per column, laid out (G, K/tk, ceil(tk/128), N) so that the scale block
-  (squeezed, squeezed, ceil(tk/128), tn) at (group, k, 0, n) has its last two dims legal for
-  any legal tk, tn (whole dim, lane multiple). Extra HBM read: 4 bytes per 128 weight bytes
-  (~3%). In the kernel each 128-row chunk of the tile is decoded from its e4m3 bits with int32
-  ops (exact; e4m3fn NaN bits, which quantize never writes, decode as 480), times its scale row
-  (fp32, one rounding), cast to the lhs dtype into a (tk, tn) VMEM scratch, then one dot.
-  A tile never splits a scale block: tk is a multiple of 128 or the whole K.
+M rows (tokens x top-k slots) sorted by group, K contraction, N output, G groups (experts), V grid
+visits along M. Group g owns rows [off[g], off[g+1]), off = [0, cumsum(group_sizes)] cut at M; rows
+past sum(group_sizes) come out as 0. Grid (N/tn, V, K/tk), one visit per (row tile, group) pair,
+scheduled by scalar-prefetched metadata (`make_group_metadata`). Block sizes follow Mosaic's (8, 128)
+tiling, checked in `validate` (interpret mode too). A quantized rhs (int8 per-channel or fp8 per
+128 x 128 block scales, models/quant.py) is read as 1-byte tiles and dequantized in VMEM. Design,
+block-size rules and the quantized layouts: docs/internals/kernels.md.
 """
 from __future__ import annotations
 
@@ -71,8 +27,8 @@ _FP8_BLOCK = 128  # fp8 scale block edge (quant.BLOCK)
 
 @dataclasses.dataclass(frozen=True)
 class GmmBlockSizes:
-    """Tile sizes: block_m rows of lhs, block_k of the contraction, block_n output columns.
-    See the module docstring for the TPU rules each must follow."""
+    """Tile sizes: block_m rows of lhs, block_k of the contraction, block_n output columns (TPU rules:
+    `validate`, docs/internals/kernels.md)."""
     block_m: int = 128
     block_k: int = 128
     block_n: int = 128
@@ -106,8 +62,7 @@ def _fit(block: int, dim: int, what: str, letter: str) -> int:
 
 
 def default_block_sizes(K: int, N: int) -> GmmBlockSizes:
-    """GmmBlockSizes() fitted to K and N: a 128 block where it divides the dim, else the whole dim
-    (an expert FFN of 768 split over 4 devices gives 192: one 192-wide tile, not an error)."""
+    """GmmBlockSizes() fitted to K and N: a 128 block where it divides the dim, else the whole dim."""
     fit = lambda d: _LANES if d % _LANES == 0 else d  # noqa: E731
     return GmmBlockSizes(block_k=fit(K), block_n=fit(N))
 
@@ -161,13 +116,10 @@ def validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes: GmmBlockSizes | None, 
 
 
 def make_group_metadata(group_sizes_G, num_rows: int, tm: int):
-    """Visit schedule for rows padded to tiles_m = ceil(num_rows / tm) row tiles.
-
-    Returns (group_offsets (G+1,), group_ids_V, tile_ids_V, num_visits (1,)), all int32, with
-    V = tiles_m + G - 1 (static bound). Visits [0, num_visits) are: for each non-empty group in
-    order, every row tile it touches; then one visit for each row tile past sum(group_sizes)
-    (its group's row range misses the tile, so it only writes zeros). Visits past num_visits
-    repeat the last real visit.
+    """Visit schedule for rows padded to tiles_m = ceil(num_rows / tm) row tiles -> (group_offsets
+    (G+1,), group_ids_V, tile_ids_V, num_visits (1,)), int32, V = tiles_m + G - 1 (static). Visits:
+    every row tile of each non-empty group in order, then one zero-writing visit per row tile past
+    sum(group_sizes); visits past num_visits repeat the last real one.
     """
     G = group_sizes_G.shape[0]
     tiles_m = -(-num_rows // tm)
@@ -197,9 +149,8 @@ def make_group_metadata(group_sizes_G, num_rows: int, tm: int):
 
 
 def _decode_e4m3(bits):
-    """float8_e4m3fn values from their bits (any int dtype, low 8 bits used) -> fp32, with int32
-    ops only (Mosaic has no fp8 before TPU v7). Exact for every finite e4m3fn value; the NaN bit
-    patterns (0x7f, 0xff) give +-480."""
+    """float8_e4m3fn bits (any int dtype, low 8 bits) -> fp32 with int32 ops only (no fp8 in Mosaic
+    before TPU v7). Exact for finite values; the NaN patterns (0x7f, 0xff) give +-480."""
     b = bits.astype(jnp.int32) & 0xFF
     mag = b & 0x7F
     # normal: exponent e - 7 + 127 = e + 120 in f32's exponent field, the 3 mantissa bits on top
@@ -212,7 +163,7 @@ def _decode_e4m3(bits):
 def _gmm_kernel(group_offsets, group_ids, tile_ids, num_visits,  # scalar prefetch (SMEM)
                 lhs_ref, rhs_ref, *refs, tm: int, tn: int, nk: int, quant: str | None = None):
     # refs = ([scale_ref,] [poisoned_init_ref,] out_ref, acc_ref[, deq_ref]): scale_ref with a
-    # quantized rhs (module doc); deq_ref, fp8 only, holds the dequantized (tk, tn) rhs tile.
+    # quantized rhs (docs/internals/kernels.md); deq_ref, fp8 only, holds the dequantized (tk, tn) rhs tile.
     if quant == "fp8":
         scale_ref, out_ref, acc_ref, deq_ref = refs[0], refs[-3], refs[-2], refs[-1]
     else:
@@ -267,16 +218,11 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, rhs_scale=None, block_sizes: GmmBlock
         interpret: bool = False, preferred_element_type=None, poison_output: bool = False):
     """Grouped matmul: (M, K) rows sorted by group x (G, K, N) per-group weights -> (M, N).
 
-    group_sizes_G: integer (G,), non-negative; group g owns the next group_sizes_G[g] rows. Rows
-    past sum(group_sizes) give 0; sizes summing past M are cut at M. Accumulation is fp32; the
-    output has `preferred_element_type` (default: lhs's dtype). lhs and rhs share one dtype
-    (float32, bfloat16 or float16). block_sizes: see `GmmBlockSizes` and the module docstring.
-    rhs_scale (quantized rhs, module doc): with an int8 rhs_GKN, fp32 (G, 1, N) per output channel;
-    with a float8_e4m3fn rhs_GKN, fp32 (G, ceil(K/128), ceil(N/128)) per 128 x 128 block. The
-    result is then lhs @ dequantized rhs, computed in lhs's dtype (any of the three).
-    interpret=True runs the kernel body in the Pallas interpreter (any platform; how CPU tests
-    run it). poison_output (tests): the output buffer starts as NaN (aliased input), so a tile
-    the kernel fails to write shows up as NaN.
+    group_sizes_G: int (G,), non-negative; rows past their sum give 0 (sums past M are cut at M).
+    fp32 accumulation; output dtype `preferred_element_type` (default lhs's). lhs and rhs share one
+    dtype (f32 / bf16 / f16), unless rhs is quantized: rhs_scale fp32 (G, 1, N) for an int8 rhs,
+    (G, ceil(K/128), ceil(N/128)) for a float8_e4m3fn rhs. interpret=True: the Pallas interpreter;
+    poison_output (tests): the output starts as NaN, so an unwritten tile shows up.
     """
     out_dtype = jnp.dtype(lhs_MK.dtype if preferred_element_type is None else preferred_element_type)
     tm, tk, tn = validate(lhs_MK, rhs_GKN, group_sizes_G, block_sizes, out_dtype, rhs_scale)
@@ -335,9 +281,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, rhs_scale=None, block_sizes: GmmBlock
 
 
 def _rhs_and_scale(w):
-    """(rhs, rhs_scale) for gmm: a plain (E, K, N) array -> (w, None); a weight-only quantized
-    stack (dinfer_jax.models.quant.QuantizedWeight: fields q, scale; one lead, in and out dim,
-    in-first) -> (q, scale)."""
+    """(rhs, rhs_scale) for gmm: a plain (E, K, N) array -> (w, None); an in-first QuantizedWeight
+    stack -> (q, scale)."""
     if not (hasattr(w, "q") and hasattr(w, "scale")):
         return w, None
     if getattr(w, "out_first", False) or w.q.ndim != 3 or (getattr(w, "n_in", 1), getattr(w, "n_out", 1)) != (1, 1):
@@ -348,15 +293,9 @@ def _rhs_and_scale(w):
 
 def swiglu_experts_gmm(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                        block_sizes: GmmBlockSizes | None = None, interpret: bool = False):
-    """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum
-    to R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group.
-
-    Same contract as `swiglu_experts_tiled`. The matmuls run in the weights' dtype (x is cast to
-    it) with fp32 accumulation; gate and up come out in fp32, the SwiGLU is taken in fp32 and cast
-    back to the weights' dtype for the down projection; y has x's dtype.
-    A weight may be a quantized stack (int8 or fp8 QuantizedWeight, see `_rhs_and_scale`): the
-    kernel reads its 1-byte values and dequantizes tile by tile (gmm's module doc); its matmul
-    then runs in x's dtype (as quant.matmul does on the tiled path).
+    """Rows x_RD sorted by expert (group e: group_sizes_E[e] consecutive rows) -> y_RD =
+    down_e(silu(x @ gate_e) * (x @ up_e)), y in x's dtype; same contract as `swiglu_experts_tiled`.
+    Matmuls in the weights' dtype (x's for a quantized stack), SwiGLU in fp32.
     """
     (wg, sg), (wu, su), (wd, sd) = (_rhs_and_scale(w) for w in (w_gate_EDF, w_up_EDF, w_down_EFD))
     dt_g, dt_u = (x_RD.dtype if s is not None else w.dtype for w, s in ((wg, sg), (wu, su)))

@@ -1,8 +1,5 @@
-"""Pure-JAX grouped matmul (GMM): the reference the Pallas `gmm` kernel is tested against.
-
-Letters: M rows (tokens x top-k slots, sorted by group), K contraction dim, N output dim,
-G groups (experts).
-"""
+"""Pure-JAX grouped matmul (GMM): the reference the Pallas `gmm` kernel is tested against
+(M rows sorted by group, K contraction, N output, G groups)."""
 from __future__ import annotations
 
 import jax
@@ -18,12 +15,9 @@ def group_of_rows(group_sizes_G, num_rows: int):
 
 
 def gmm_reference(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
-    """out_MN[m] = lhs_MK[m] @ rhs_GKN[g(m)], with g(m) the group of row m; 0 for rows past
-    sum(group_sizes) (group sizes that sum past M are cut at M).
-
-    lhs_MK: rows sorted by group. rhs_GKN: one (K, N) weight per group. group_sizes_G: int,
-    non-negative. Products accumulate in fp32 at HIGHEST precision; the result has
-    `preferred_element_type` (default: lhs's dtype). Costs G times a dense matmul: for tests.
+    """out_MN[m] = lhs_MK[m] @ rhs_GKN[g(m)] (g(m): row m's group; 0 past sum(group_sizes), sums
+    past M cut at M), fp32 HIGHEST accumulation, `preferred_element_type` (default lhs's). G dense
+    matmuls: for tests.
     """
     M = lhs_MK.shape[0]
     G = rhs_GKN.shape[0]

@@ -1,9 +1,6 @@
-"""Megablox-style grouped SwiGLU in pure JAX: rows sorted by expert are padded per group to a
-multiple of `tile` rows, and a scan over the tiles multiplies each tile by its own expert's
-weights (read with a dynamic index, never gathered into a (tiles, D, F) copy).
-
-Work: (R + E*(tile-1)) rows x 3 matmuls, versus R*E rows for XLA:CPU's `lax.ragged_dot` lowering
-(which computes every group densely) and T*E for the all-experts einsum.
+"""Megablox-style grouped SwiGLU in pure JAX: rows sorted by expert, padded per group to whole
+`tile`s, and a scan over the tiles that multiplies each by its own expert's weights (never gathered
+into a (tiles, D, F) copy). Work vs ragged_dot / the all-experts einsum: docs/internals/kernels.md.
 """
 from __future__ import annotations
 
@@ -12,26 +9,17 @@ import jax.numpy as jnp
 
 
 def tile_rows_for(rows: int, experts: int) -> int:
-    """Tile height: the power of two in [8, 128] at or above the mean group size rows / experts.
-    Each tile re-reads its expert's weights and CPU GEMMs with few rows are inefficient, so about one
-    tile per expert is fastest although padding then adds up to ~E*tile/2 rows. Measured on 2 CPU
-    cores at 7B-A1B widths (bench/RESULTS.md): mean 24 rows -> tile 32 takes 321 ms, tile 8 514 ms;
-    mean 4 -> tile 8 167 ms, tile 32 296 ms."""
+    """Tile height: the power of two in [8, 128] at or above the mean group size rows / experts
+    (about one tile per expert; measurements: docs/internals/kernels.md)."""
     mean = max(1, -(-rows // max(1, experts)))
     return int(min(128, max(8, 1 << (mean - 1).bit_length())))
 
 
 def swiglu_experts_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, tile: int | None = None,
                          weight_matmul=None):
-    """Rows x_RD sorted by expert (group e has group_sizes_E[e] consecutive rows; the sizes sum to
-    at most R) -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)) per row, with e the row's group.
-    Rows past sum(group_sizes_E) belong to no group: they are never multiplied and give 0 (the
-    expert-parallel path sends the (token, expert) pairs of other shards' experts there).
-
-    weight_matmul: (rows, w, e) -> rows @ w[e], replacing the plain indexing (dinfer_jax passes
-    models/stacked.expert_matmul, which reads w[layer, e] of a layer-stacked weight straight from the
-    stack; passing a layer's (E, D, F) slice instead makes XLA copy every expert of the layer before
-    the tile loop)."""
+    """Rows x_RD sorted by expert (group e: group_sizes_E[e] consecutive rows, summing to at most R)
+    -> y_RD = down_e(silu(x @ gate_e) * (x @ up_e)); rows past the sum give 0. weight_matmul:
+    (rows, w, e) -> rows @ w[e] (models/stacked.expert_matmul reads a layer-stacked weight in place)."""
     R, D = x_RD.shape
     E = w_gate_EDF.shape[-3]
     m = tile or tile_rows_for(R, E)
