@@ -53,7 +53,7 @@ def run(system_lens=(128, 384), n: int = 16, batch: int = 4, rounds: int = 5, se
             for g in range(0, n, batch):
                 t = time.perf_counter()
                 rb.admit([(i, prompts[i], sp) for i in range(g, min(n, g + batch))])
-                jax.block_until_ready(rb.state["kv"])
+                jax.block_until_ready(rb.state.kv)
                 admit_s.append(time.perf_counter() - t)
                 while rb.running:
                     for r in rb.step(8):

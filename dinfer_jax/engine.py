@@ -492,7 +492,8 @@ class Generator:
     def segment_programs(self, spec: DecodeSpec, gen_start: int, batch: int):
         """Jitted (init, segment, merge) of the continuous-batching loop (decoding/segments.py)."""
         def build():
-            from dinfer_jax.decoding.segments import merge_rows, segment_program
+            from dinfer_jax.decoding.loop_state import merge_rows
+            from dinfer_jax.decoding.segments import segment_program
             module = self.model.module
             if module.cfg.attention_mask == "block_causal":
                 module = module.clone(attention_block=spec.block_length)
@@ -511,7 +512,7 @@ class Generator:
 
     @staticmethod
     def move_key(spec: DecodeSpec, gen_start: int, src_batch: int, dst_batch: int, fresh: bool) -> tuple:
-        """The program cache key of a row mover (decoding/segments.move_rows) between continuous
+        """The program cache key of a row mover (decoding/loop_state.move_rows) between continuous
         batches of these sizes (fresh: into an empty batch)."""
         return ("move", spec, gen_start, src_batch, dst_batch, fresh)
 
@@ -520,11 +521,11 @@ class Generator:
         return key in self._movers_warm and key in self._movers
 
     def move_program(self, key: tuple):
-        """The jitted row mover under `key` (`move_key`; decoding/segments.move_rows). A call with
+        """The jitted row mover under `key` (`move_key`; decoding/loop_state.move_rows). A call with
         shapes `warm_move_program` did not compile compiles there (library use); the server calls
         it only once ready. Kept in a cache of its own: these small programs never push out a
         decoding program."""
-        from dinfer_jax.decoding.segments import move_rows
+        from dinfer_jax.decoding.loop_state import move_rows
         return self._movers.get(key, lambda: jax.jit(move_rows))
 
     def warm_move_program(self, key: tuple, dst_abstract, src_abstract):

@@ -11,6 +11,7 @@ from block_decoding_reference import reference_block_generate, reference_indel_g
 from dinfer_jax.cache import cache_shape
 from dinfer_jax.families import preset
 from dinfer_jax.decoding.block_loop import block_decide, indel_rebuild, indel_step
+from dinfer_jax.decoding.loop_state import IndelState
 from dinfer_jax.engine import SamplingParams, generate
 from dinfer_jax.model import Model
 from dinfer_jax.models import init_params
@@ -294,8 +295,8 @@ def test_indel_rebuild_on_hand_built_blocks():
 
 
 def _indel_state(H, S, B=1):
-    return dict(orig=jnp.zeros((B, S), bool), seen=jnp.zeros((B, H, S), jnp.int32),
-                hist=jnp.zeros((B, H, S), jnp.int32))
+    return IndelState(orig=jnp.zeros((B, S), bool), seen=jnp.zeros((B, H, S), jnp.int32),
+                      hist=jnp.zeros((B, H, S), jnp.int32))
 
 
 def test_indel_step_on_hand_built_logits():
@@ -318,7 +319,7 @@ def test_indel_step_on_hand_built_logits():
     new, fin, post, st2, t2t, ins, dels = step(x, 0, 0, st)
     # M2T: slot 1 (above 0.9); T2T: slot 3 takes DELETE -> dropped, a mask pads the tail.
     assert new.tolist() == [[M, 5, 6, M]] and dels.tolist() == [1] and not fin[0] and post.tolist() == [0]
-    assert st2["orig"].tolist() == [[True, True, False, False]]  # the padding mask is not original
+    assert st2.orig.tolist() == [[True, True, False, False]]  # the padding mask is not original
     # Next step: 1 original + 1 introduced mask -> 2 transfers although only one is above 0.9 (the
     # introduced mask predicting MASK keeps it; the original one takes its re-argmax 3).
     lg[0, 3] = -5.0
@@ -339,13 +340,12 @@ def test_indel_step_on_hand_built_logits():
     lg2[0, 3, 4], lg2[0, 3, 2], lg2[0, 3, 1] = 2.0, 1.5, 1.0
     x = jnp.asarray([[2, 2, 2, 1]])
     st = _indel_state(7, 4)
-    st["seen"] = st["seen"].at[0, 0].set(x[0])
-    st["hist"] = st["hist"].at[0, 0].set(jnp.asarray([-1, -1, -1, 4]))
+    st = st.replace(seen=st.seen.at[0, 0].set(x[0]), hist=st.hist.at[0, 0].set(jnp.asarray([-1, -1, -1, 4])))
     knobs["editing_threshold"] = jnp.zeros(1)
     new, fin, _, st4, _, _, _ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), st, knobs,
                                            spec, D, S)
     assert new.tolist() == [[2, 2, 2, 2]] and not fin[0]  # argmax 4 was tried: the next best, 2
-    assert st4["hist"][0, 1].tolist() == [-1, -1, -1, 2] and st4["seen"][0, 1].tolist() == [2, 2, 2, 1]
+    assert st4.hist[0, 1].tolist() == [-1, -1, -1, 2] and st4.seen[0, 1].tolist() == [2, 2, 2, 1]
     new, *_ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), _indel_state(7, 4), knobs,
                          spec, D, S)
     assert new.tolist() == [[2, 2, 2, 4]]  # not seen before: the argmax
@@ -357,7 +357,7 @@ def test_indel_step_on_hand_built_logits():
     # The step bound: update step B + max_post_steps + 1 is the cleanup even with original masks left.
     xm = jnp.asarray([[2, M, M, 2]])
     st = _indel_state(7, 4)
-    st["orig"] = jnp.asarray([[False, True, True, False]])
+    st = st.replace(orig=jnp.asarray([[False, True, True, False]]))
     new, fin, *_ = indel_step(jnp.asarray(lg2), xm, gen, jnp.asarray([6]), jnp.asarray([0]), st, knobs, spec, D, S)
     assert new.tolist() == [[2, 2, 2, 2]] and fin[0]
     new, fin, *_ = indel_step(jnp.asarray(lg2), xm, gen, jnp.asarray([5]), jnp.asarray([0]), st, knobs, spec, D, S)

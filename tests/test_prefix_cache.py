@@ -82,7 +82,7 @@ def _run(model, prompts, pc_bytes, poison=None):
         slots = rb.admit([(i, np.asarray(prompts[i], np.int32), SP) for i in group])
         for i, b in zip(group, slots):
             pad, full = int(rb.pad[b]), (len(prompts[i]) // 8) * 8
-            kv_after[i] = [np.asarray(c[:, b, pad:pad + full]) for c in rb.state["kv"]]
+            kv_after[i] = [np.asarray(c[:, b, pad:pad + full]) for c in rb.state.kv]
         while rb.running:
             for r in rb.step(8):
                 res[r.tag] = r

@@ -50,9 +50,14 @@ def _drive(model, prompts, sps, batch, seg, poison=False):
 
 def _poison(state, slots):
     """Fill the given slots' every per-row leaf with garbage (large values / random tokens)."""
-    from dinfer_jax.decoding.segments import BATCH_AXIS
+    import dataclasses
+
+    from dinfer_jax.decoding.loop_state import BATCH_AXIS
     out = {}
-    for k, v in state.items():
+    for f in dataclasses.fields(state):
+        k, v = f.name, getattr(state, f.name)
+        if v is None:
+            continue
         axis = BATCH_AXIS.get(k, 0)
 
         def bad(a, axis=axis):
@@ -66,7 +71,7 @@ def _poison(state, slots):
                     jnp.full_like(a, True) if a.dtype == jnp.bool_ else jnp.full_like(a, 1e4))
             return jnp.where(jnp.asarray(sel).reshape(shape), junk, a)
         out[k] = jax.tree_util.tree_map(bad, v)
-    return out
+    return state.replace(**out)
 
 
 def _check_alone(model, prompts, sps, results):

@@ -1,118 +1,9 @@
-"""Block diffusion (LLaDA2.x, SDAR, Fast-dLLM v2) in the one jitted `lax.while_loop`.
-
-Block-causal models attend bidirectionally inside a block and causally across blocks, so the K/V
-of a finished block never change: the prefix cache is EXACT. Layout (per row b; engine.py builds
-the canvas, this loop masks the tail):
-  [ pads (pad_b) | prompt (P_b) | gen_length masks | tail masks up to the row's last block end ]
-Blocks are absolute in the row's positions (position = index - pad_b): block k covers positions
-[kB, (k+1)B). The first decoded block is the one holding position P_b (its head is the prompt
-tail, never rewritten); the last ends at ceil((P_b + G) / B) * B (the tail past P_b + G is
-decoded too and never returned), as LLaDA2's own generate() lays it out (reference §4).
-
-Program:
-  prefill: one forward over the prompt region [0, gen_start): its K/V become the cache;
-  per iteration, one forward per active row over a window that reads the cache:
-    - the row's current block (S = B), or
-    - on a block's first step, [previous block | current block] (S = 2B): the previous block is
-      now clean, and this forward computes its final K/V, which are written into the cache
-      (dInfer's newer generate_uniform does the same; the HF generate() has no cache and
-      recomputes the whole prefix every step). Tokens are unaffected: the logits of the current
-      block are exactly those of a full block-causal forward (tests/test_block_diffusion.py).
-  No forward ever covers the whole canvas: a step costs a window of B or 2B tokens plus attention
-  over the prefix.
-Shifted logits (ModelConfig.logit_shift = 1, Fast-dLLM v2): the logits that decode position i are
-the output row of position i - 1. Every window above is extended by ONE position on the left
-(S = B + 1, or 2B + 1 for the commit window): that position is a query only (kv_write_BS keeps its
-cached K/V), and the logits rows are read from [block start - 1, block end - 1). So the block's
-first position is decoded from the last row of the previous block (or of the prompt), recomputed
-by the same forward from the exact cache: under block-causal attention that row sees only finished
-blocks, so it equals the row the previous block's final forward produced (nothing is carried over
-between iterations). The position before a block always exists: prompts are non-empty and
-DecodeSpec.head_room reserves one left pad, so a window never starts before index 0.
-Sub-blocks (spec.sub_block_length = b > 0, Fast-dLLM v2's small_block_size; B % b == 0): each step
-may commit only (a) with shifted logits, a masked FIRST position of the block, alone (its logit
-comes from the finished previous block: Fast-dLLM v2 decodes it as an AR step, by the forward that
-completes the previous block; here it is the block's first step, the commit window), else (b) the
-masked positions of the first sub-block that still holds a mask; the threshold rule below then runs
-on those candidates (with num_to_transfer = 1: those with p > threshold, else the most probable one
-= Fast-dLLM v2's "above the threshold, plus the argmax"). Every step is one forward over the whole
-block with the exact prefix cache (Fast-dLLM v2's `use_block_cache=False` path, its default, which
-its run_chatbot.py uses).
-Sub-block DualCache (spec.sub_block_cache, with sub-blocks; Fast-dLLM v2's use_block_cache=True;
-facts and choices: families/fast_dllm_v2.py): a non-commit step whose current sub-block's first
-position is masked, or none of whose generated positions is decoded yet (`sub_block_refresh`: the
-sub-block is entered; with shifted logits the block's first position does not count), runs the
-whole-block window as above and PERSISTS its K/V of the block in the KV cache: the current block's
-slots are the block cache (the next block's commit window overwrites them with the final K/V).
-Every other step runs a window over the sub-block only, [sub start - sh, sub end) (the left position
-query-only, as above), reading the cache: exact K/V for finished blocks, stale block-cache K/V for
-the block's other positions; its fresh K/V are not written back (nothing reads them before the next
-refresh). Its b logits rows fill the sub-block's rows of the block's logits (the other rows are not
-candidates). The commit window also persists the current block (the block cache for a sub-block it
-decodes, without shifted logits). One forward per step as before: NFE counts both kinds; per-row
-sub-block forwards are GenerationResult.sub_block_forwards. Approximate (stale K/V) unless every
-sub-block is decoded in one step.
-Decoder (LLaDA2 generate(), reference §5-6), per step on the row's block:
-  sample v_i, p_i for every position (temperature 0: argmax over the vocabulary, p = its softmax
-  probability; else logits / T, top-k, top-p, one draw (Gumbel-max), p under the filtered softmax);
-  M2T: the masked positions with p > threshold if at least n of them, else the top-min(n, #masked)
-  by p, where n = num_to_transfer (LLaDA2.1), or with `steps` per block (LLaDA2.0's schedule,
-  spec.steps_per_block > 0) n = B // steps, plus one on the first B % steps steps of the block;
-  or, by spec.strategy (SDAR's remasking strategies, families/sdar.py REMASKING; no editing):
-    sequential: the leftmost min(n, #masked) masked positions;
-    entropy_bounded: the masked positions by increasing entropy H (of the distribution p is read
-    from; ties: lower position), k = #{running sums of the sorted H < eb_threshold}, then
-    min(max(k, n), #masked);
-  T2T (editing, LLaDA2.1): already-filled generated positions of this block (not masked at the
-  step's start, not prompt) take v_i where p_i > editing_threshold and v_i differs; applied with
-  M2T from the same forward.
-  A block ends when it has no mask (no editing), or (editing) when a forward on the fully
-  unmasked block proposes no edit, or after `max_post_steps` such post-fill forwards.
-Commit record (row_state.commit_record): every M2T / T2T write records its step (and, with logprobs,
-the distribution of `logits` before the sampler's temperature / top-k / top-p); a position edited
-later takes its last write. indel: the step a slot's token last changed (rebuilds shift tokens);
-logprobs are refused with indel.
-Early stop: when a block ends holding EOS in its generated part, or the model's end-of-turn id
-(ModelConfig.eot_token_id, e.g. SDAR's <|im_end|>; not for rows with ignore_eos), the row stops and
-the rest of its generation region is filled with EOS.
-
-LLaDA2.2 insert/delete editing (spec.indel; `indel_step`, `indel_rebuild`), following SGLang's
-`python/sglang/srt/dllm/algorithm/joint_threshold_indel.py` (JointThresholdInDel, the revision the
-reference cites, sglang @ 0fbe7e46; facts only). Greedy only (argmax, p = its fp32 softmax probability).
-Per row and block, state: "original mask" flags (the block's masks at its first step; a flag travels
-with its slot's token through rebuilds, so an original mask re-written to MASK by an edit is original
-again), post-edit rounds, update steps, the block states seen at earlier steps and the tokens written
-at each slot (for the anti-loop rule). One step, with O / T = original / all masks of the generated slots:
-  - post-edit rounds += 1 if O = 0; cleanup = (max_post_steps > 0 and rounds >= max_post_steps) or
-    (max_post_steps = 0 and O = 0) or (update steps > B + max_post_steps);
-  - not cleanup: an original mask whose argmax is MASK takes its argmax without MASK (and its p);
-  - M2T: cleanup or O = 0 -> every mask; else the masks with p > threshold if at least
-    num_to_transfer + (T - O) of them (SGLang: 1 + #introduced masks), else the top
-    min(that, T) by p (ties: lower slot). max_post_steps = 0: the step whose M2T covers every
-    original mask becomes the cleanup (every mask);
-  - T2T: filled generated slots with p > editing_threshold whose argmax differs (None -> 0, SGLang's
-    edit_threshold default);
-  - nothing to write -> the block ends (no write);
-  - cleanup: written tokens that are MASK / DELETE / SPLIT take the argmax without those three;
-  - anti-loop (not cleanup): if the block state at this step's start was seen at an earlier step of
-    this block, the changing written slot with the lowest p takes its argmax without the tokens
-    written there at earlier steps (and without MASK at an original mask);
-  - write; if a DELETE or SPLIT was written, rebuild the block (`indel_rebuild`: prompt prefix
-    copied; per generated slot in order DELETE -> nothing, SPLIT -> [new MASK (not original), the
-    slot's OLD token], else the token; cut to B or padded with new masks), a per-row gather over
-    the cumulative sum of emitted counts, static shapes;
-  - the cleanup step ends the block (and writes no mask, so blocks end clean).
-Defaults in SGLang: threshold 0.5, edit_threshold 0, max_post_edit_steps 16 (= EDIT_MODES["speed"]
-with indel=True); B + max_post_edit_steps + 2 steps per block at most (our max_iterations).
-Deliberate difference: SGLang runs one more forward after a cleanup that changed the block, to
-persist its K/V; here the next block's first forward ([previous | current], above) commits them, so
-a block costs that forward less (NFE counts decoder steps only). Not built: the knobs of other
-revisions of that file (a vectorized one with an NPU graph mode: post_edit_threshold,
-min_indel_confidence; its min_mask_transfer is our num_to_transfer), which also differ in details
-(post-edit budget counted with `>`, no MASK re-argmax or MASK scrub, prompt = every non-mask slot);
-sampling (temperature > 0) is not defined by the public code (refused); the released LLaDA2.2
-decoder itself (SGLang says its budget differs from it) and LLaDA2.2's block routing are not public here.
-"""
+"""Block diffusion (LLaDA2.x, SDAR, Fast-dLLM v2) in the one jitted `lax.while_loop`: a prefill
+writes the prompt's K/V; each step runs one window forward per active row over its block (S = B,
+or [previous | current] = 2B on a block's first step, which commits the previous block's exact K/V),
+then the LLaDA2 decoder (M2T, T2T editing, LLaDA2.2 insert / delete; SDAR's remasking) on the block.
+Layout, shifted logits, sub-blocks, the sub-block DualCache, the decoder rules and their sources:
+docs/block_diffusion.md ("The block loop in detail")."""
 from __future__ import annotations
 
 import jax
@@ -121,6 +12,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import empty_cache, per_row, window_slice, window_write
 from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.observe import emit
+from dinfer_jax.decoding.loop_state import BlockLoopState, IndelState
 from dinfer_jax.decoding.row_state import commit_record, commit_record_init, row_gen_end
 from dinfer_jax.decoding.strategies import forbid_eos, rank_desc
 
@@ -289,12 +181,12 @@ def indel_rebuild(y_BS, x_BS, orig_BS, gen_BS, mask_id: int, delete_id: int, spl
 
 def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_id: int, split_id: int):
     """One LLaDA2.2 insert/delete step on each row's block (SGLang JointThresholdInDel; module doc).
-    st: per-row state {orig_BS, seen_BHS, hist_BHS} (H = update steps a block can take); stp_B: the
+    st: per-row loop_state.IndelState (H = update steps a block can take); stp_B: the
     block's steps so far; post_B: its post-edit rounds so far.
     -> (new block, finished_B, post_B, st, t2t_BS, inserts_B, deletes_B)."""
     M, D, SP = spec.mask_id, delete_id, split_id
     B, S, V = logits_BSV.shape
-    H = st["seen"].shape[1]
+    H = st.seen.shape[1]
     maxpost = spec.max_post_steps
     l = logits_BSV.astype(jnp.float32)
     lse = jax.nn.logsumexp(l, axis=-1)
@@ -303,7 +195,7 @@ def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_
     best = lambda excl: jnp.argmax(jnp.where(excl, -jnp.inf, l), axis=-1).astype(jnp.int32)
     v = best(jnp.zeros((V,), bool))
     p = prob(v)
-    orig = jnp.where((stp_B == 0)[:, None], gen_BS & (x_BS == M), st["orig"])  # a block's first step: its masks
+    orig = jnp.where((stp_B == 0)[:, None], gen_BS & (x_BS == M), st.orig)  # a block's first step: its masks
     mask = gen_BS & (x_BS == M)
     omask = orig & mask
     n_orig, n_mask = jnp.sum(omask, axis=-1), jnp.sum(mask, axis=-1)
@@ -335,24 +227,24 @@ def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_
     # Anti-loop: a block state seen before at this block's steps -> the lowest-p changing position
     # takes its best token not yet written there (nor the mask id at an original mask).
     h_valid = jnp.arange(H)[None, :] < stp_B[:, None]
-    seen = jnp.any(h_valid & jnp.all(st["seen"] == x_BS[:, None, :], axis=-1), axis=-1)
+    seen = jnp.any(h_valid & jnp.all(st.seen == x_BS[:, None, :], axis=-1), axis=-1)
     changing = tr & (v != x_BS)
     anti = seen & ~cleanup & jnp.any(changing, axis=-1)
     c = jnp.argmin(jnp.where(changing, p, jnp.inf), axis=-1)
     lc = jnp.take_along_axis(l, c[:, None, None], axis=1)[:, 0]  # (B, V)
-    tried = jnp.where(h_valid, jnp.take_along_axis(st["hist"], c[:, None, None], axis=2)[..., 0], V)
+    tried = jnp.where(h_valid, jnp.take_along_axis(st.hist, c[:, None, None], axis=2)[..., 0], V)
     lc = jax.vmap(lambda r, t: r.at[t].set(-jnp.inf, mode="drop"))(lc, tried)
     lc = jnp.where(jnp.take_along_axis(omask, c[:, None], axis=-1) & (vid == M)[None, :], -jnp.inf, lc)
     v_c = jnp.argmax(lc, axis=-1).astype(jnp.int32)
     v = jnp.where(anti[:, None] & (jnp.arange(S)[None, :] == c[:, None]), v_c[:, None], v)
     at = (jnp.arange(H) == stp_B[:, None])[:, :, None]
-    st = dict(seen=jnp.where(at, x_BS[:, None, :], st["seen"]),
-              hist=jnp.where(at, jnp.where(tr, v, -1)[:, None, :], st["hist"]))
+    seen_new = jnp.where(at, x_BS[:, None, :], st.seen)
+    hist_new = jnp.where(at, jnp.where(tr, v, -1)[:, None, :], st.hist)
     y = jnp.where(tr, v, x_BS)
     ins, dels = tr & (v == SP), tr & (v == D)
     rebuilt, orig_new = indel_rebuild(y, x_BS, orig, gen_BS, M, D, SP)
     has = jnp.any(ins | dels, axis=-1)[:, None]
-    st["orig"] = jnp.where(has, orig_new, orig)
+    st = IndelState(orig=jnp.where(has, orig_new, orig), seen=seen_new, hist=hist_new)
     new = jnp.where(empty[:, None], x_BS, jnp.where(has, rebuilt, y))
     return (new, empty | cleanup, post, st, t2t, jnp.sum(ins, axis=-1).astype(jnp.int32),
             jnp.sum(dels, axis=-1).astype(jnp.int32))
@@ -360,7 +252,7 @@ def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_
 
 def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
                          observer_id=None):
-    """Block-diffusion generation (module doc) as loop.loop_functions' (init, body, stat keys); init
+    """Block-diffusion generation (module doc) as loop.loop_functions' (init, body); init
     runs the prefill. `module` must be block-causal with attention block == spec.block_length."""
     cfg = module.cfg
     B = pad_B.shape[0]
@@ -405,27 +297,24 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                                      key_mask_BL=key_mask_BL & (idx_L < gen_start)[None, :], kv=kv,
                                      window_start=jnp.full((B,), ws, jnp.int32), key_positions_BL=positions_BL,
                                      logits_window=(jnp.zeros((B,), jnp.int32), 1))
-        state = dict(
-            x=x0, kv=kv, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
-            post=jnp.zeros((B,), jnp.int32), it=jnp.zeros((B,), jnp.int32), done=~active_B,
-            row_nfe=jnp.zeros((B,), jnp.int32), edits=jnp.zeros((B,), jnp.int32),
-            nfe_window=jnp.zeros((), jnp.int32), nfe_commit=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
-            steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
-        )
-        state.update(commit_record_init(B, Lc, spec))
+        zeros_B, zero = jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)
+        state = BlockLoopState(
+            x=x0, kv=kv, blk=zeros_B, stp=zeros_B, post=zeros_B, it=zeros_B, done=~active_B, row_nfe=zeros_B,
+            edits=zeros_B, steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
+            nfe_window=zero, nfe_commit=zero, iters=zero, record=commit_record_init(B, Lc, spec))
         if sbc:  # sub-block forwards: per row, and batch-wide (the block cache itself lives in `kv`)
-            state.update(row_sub=jnp.zeros((B,), jnp.int32), nfe_sub=jnp.zeros((), jnp.int32))
+            state = state.replace(row_sub=zeros_B, nfe_sub=zero)
         if spec.indel:  # LLaDA2.2 insert/delete editing: per-row block state (indel_step)
-            state.update(ind=dict(orig=jnp.zeros((B, Bk), bool), seen=jnp.zeros((B, H, Bk), jnp.int32),
-                                  hist=jnp.zeros((B, H, Bk), jnp.int32)),
-                         inserts=jnp.zeros((B,), jnp.int32), deletes=jnp.zeros((B,), jnp.int32))
+            state = state.replace(ind=IndelState(orig=jnp.zeros((B, Bk), bool), seen=jnp.zeros((B, H, Bk), jnp.int32),
+                                                 hist=jnp.zeros((B, H, Bk), jnp.int32)),
+                                  inserts=zeros_B, deletes=zeros_B)
         return state
 
     def body(s):
-        active = ~s["done"]
-        start_B = first_B + s["blk"] * Bk
-        x, kv = s["x"], s["kv"]
-        commit = active & (s["stp"] == 0) & (s["blk"] > 0)
+        active = ~s.done
+        start_B = first_B + s.blk * Bk
+        x, kv = s.x, s.kv
+        commit = active & (s.stp == 0) & (s.blk > 0)
         plain = active & ~commit
         V = cfg.vocab_size
         x_blk = window_slice(x, start_B, Bk)
@@ -477,7 +366,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             logits = jnp.where(short[:, None, None], logits_s, logits)
 
         with jax.named_scope("strategy"):
-            keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+            keys = jax.vmap(jax.random.fold_in)(base_keys, s.it)
             logits = forbid_eos(logits, blk_idx - gen_start, spec.eos_id, knobs)  # ignore_eos / min_tokens
             if spec.constraint_classes:  # canvas templates (decoding/constraint.py)
                 logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
@@ -485,10 +374,10 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             n_B = None
             if spec.steps_per_block:
                 n_B = jnp.maximum(knobs["num_to_transfer"].astype(jnp.int32),
-                                  transfer_schedule(s["stp"], Bk, spec.steps_per_block))
+                                  transfer_schedule(s.stp, Bk, spec.steps_per_block))
             if spec.indel:
                 new_blk, fin_ind, post_ind, ind, t2t, n_ins, n_del = indel_step(
-                    logits, x_blk, in_gen, s["stp"], s["post"], s["ind"], knobs, spec, *edit_ids)
+                    logits, x_blk, in_gen, s.stp, s.post, s.ind, knobs, spec, *edit_ids)
             else:
                 cand = sub_block_candidates(masked0 & in_gen, sb, sh) if sb else None
                 new_blk, m2t, t2t = block_decide(logits, x_blk, in_gen, M, knobs, keys, spec.editing, n_B, cand,
@@ -505,11 +394,11 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             post, finished = post_ind, active & fin_ind
         elif spec.editing:
             post_fill = ~jnp.any(masked0, axis=-1)
-            post = s["post"] + post_fill.astype(jnp.int32)
+            post = s.post + post_fill.astype(jnp.int32)
             finished = active & ((post_fill & ~jnp.any(t2t, axis=-1)) |
                                  (~any_mask_after & (post + 1 > spec.max_post_steps)))
         else:
-            post = s["post"]
+            post = s.post
             finished = active & ~any_mask_after
         has_eos = (jnp.any((new_blk == spec.eos_id) & in_gen, axis=-1) if spec.early_stop
                    else jnp.zeros((B,), bool))
@@ -522,30 +411,29 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
         x = jnp.where(fill & (x == M), spec.eos_id, x)  # only masks: a template's fixed tokens stay
-        last = s["blk"] + 1 >= n_blocks_B
-        done = s["done"] | stop_now | (finished & last)
-        spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s["blk"][:, None]),
-                        (s["stp"] + 1)[:, None], s["steps_per_block"])
-        new = dict(
-            **rec, x=x, kv=kv, done=done, steps_per_block=spb,
-            blk=jnp.where(finished & ~done, s["blk"] + 1, s["blk"]),
-            stp=jnp.where(finished, 0, jnp.where(active, s["stp"] + 1, s["stp"])),
+        last = s.blk + 1 >= n_blocks_B
+        done = s.done | stop_now | (finished & last)
+        spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s.blk[:, None]),
+                        (s.stp + 1)[:, None], s.steps_per_block)
+        new = s.replace(
+            record=rec, x=x, kv=kv, done=done, steps_per_block=spb,
+            blk=jnp.where(finished & ~done, s.blk + 1, s.blk),
+            stp=jnp.where(finished, 0, jnp.where(active, s.stp + 1, s.stp)),
             post=jnp.where(finished, 0, post),
-            it=s["it"] + active.astype(jnp.int32), row_nfe=s["row_nfe"] + active.astype(jnp.int32),
-            edits=s["edits"] + jnp.sum(t2t, axis=-1).astype(jnp.int32),
-            nfe_window=s["nfe_window"] + jnp.any(plain).astype(jnp.int32),
-            nfe_commit=s["nfe_commit"] + jnp.any(commit).astype(jnp.int32),
-            iters=s["iters"] + 1,
+            it=s.it + active.astype(jnp.int32), row_nfe=s.row_nfe + active.astype(jnp.int32),
+            edits=s.edits + jnp.sum(t2t, axis=-1).astype(jnp.int32),
+            nfe_window=s.nfe_window + jnp.any(plain).astype(jnp.int32),
+            nfe_commit=s.nfe_commit + jnp.any(commit).astype(jnp.int32),
+            iters=s.iters + 1,
         )
         if sbc:
-            new.update(row_sub=s["row_sub"] + short.astype(jnp.int32),
-                       nfe_sub=s["nfe_sub"] + jnp.any(short).astype(jnp.int32))
+            new = new.replace(row_sub=s.row_sub + short.astype(jnp.int32),
+                              nfe_sub=s.nfe_sub + jnp.any(short).astype(jnp.int32))
         if spec.indel:
-            new.update(ind=ind, inserts=s["inserts"] + jnp.where(active, n_ins, 0),
-                       deletes=s["deletes"] + jnp.where(active, n_del, 0))
+            new = new.replace(ind=ind, inserts=s.inserts + jnp.where(active, n_ins, 0),
+                              deletes=s.deletes + jnp.where(active, n_del, 0))
         if spec.observe:
-            emit(observer_id, s["iters"], x[:, gen_start:gen_end], new["blk"], done, active)
-        return {**s, **new}
+            emit(observer_id, s.iters, x[:, gen_start:gen_end], new.blk, done, active)
+        return new
 
-    keys = ("iters", "row_nfe", "steps_per_block", "done", "edits", "nfe_commit")
-    return init, body, keys + (("inserts", "deletes") if spec.indel else ()) + (("row_sub",) if sbc else ())
+    return init, body

@@ -1,46 +1,8 @@
-"""The whole generation as ONE jitted `lax.while_loop`: all blocks, all steps, cache refreshes,
-early stop. No host sync until the result.
-
-Canvas (per row b, length Lc, built by engine.py):
-  [ pads (pad_b) | prompt (P_b) | gen_length masks | tail pads ]   prompts end at `gen_start`
-Pads are never attended (key mask) and never decoded. Positions are per row (index - pad_b), so a
-prompt decodes identically alone or inside any batch.
-
-Every row advances through its own blocks (rows never wait for each other). Row b's block j is
-[s_b + j*Bk, s_b + (j+1)*Bk) with s_b = gen_start, or with start_block_align the block grid
-aligned to multiples of Bk in the row's own positions (the first block may start inside the prompt).
-
-One iteration = one forward for every active row:
-- full forward (whole canvas) for rows that need one: cache "none" (always), block entry, every
-  `refresh_every` steps, vicinity warmup. Its K/V become that row's cache; its logits decode.
-- window forward for the other rows: dual = the block; vicinity = block +/- prefix/after look;
-  prefix = from the block start to the end. Keys outside the window come from the cache; the
-  window's fresh K/V are used for that forward only (only full refreshes persist, as in dInfer).
-Both run under lax.cond only when some row needs them; per-row results are selected.
-
-Shifted logits (ModelConfig.logit_shift = 1, Dream): the logits that decode position i are the raw
-output row i - 1 (position 0 would use its own row, but it is always prompt). Every forward asks
-for the logits rows [block start - 1, block end - 1) instead of [block start, block end), so every
-strategy sees already-shifted block logits:
-- full forward: logits_window starts one row earlier;
-- prefix: the window [w_j - 1, Lc) starts one position earlier; the extra position's K/V come from
-  the cache (fresh K/V are still written only from the row's block start), it adds one query;
-- dual: the window is extended by one position on the left, [block start - 1, block end): that
-  position is a query only (its K/V stay the cached ones, kv_write_BS), its output row decodes the
-  block's first position;
-- vicinity: the window already reaches prefix_look >= 1 positions back; the logits slice moves one
-  row left (prefix_look = 0 extends the window as dual does).
-The row before a block is always a real token or a left pad: `DecodeSpec.head_room` reserves one
-extra left pad, so block start - 1 >= 0 even for aligned blocks that start at a row's first token.
-- block (cache="block", decoding/block_loop.py): every window gets one query-only position on the
-  left, as dual does.
-Iteration smoothing refuses shifted models.
-
-Commit record (both loops, `commit_record`): per canvas position, the row's iteration that wrote the
-token now there (the step map, always kept), and with DecodeSpec.logprobs its log-probability and
-top-N alternatives under that iteration's logits; returned over the generation region with the
-stats (`record_region`).
-"""
+"""The whole generation as ONE jitted `lax.while_loop` (full-canvas modes: cache none / prefix /
+dual / vicinity): all blocks, all steps, cache refreshes, early stop; no host sync until the
+result. Canvas (B, Lc): [ pads | prompt | gen_length masks | tail pads ], prompts end at gen_start;
+each row advances through its own blocks. Cache "block" dispatches to block_loop.py. Layout,
+refresh rules, shifted logits and the commit record: docs/internals/decoding_loops.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +17,7 @@ from dinfer_jax.decoding import strategies as st
 from dinfer_jax.decoding.block_loop import block_loop_functions
 from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.observe import emit
+from dinfer_jax.decoding.loop_state import CanvasLoopState
 from dinfer_jax.decoding.row_state import commit_record, commit_record_init, record_region, row_gen_end
 
 CACHES = ("none", "prefix", "dual", "vicinity", "block")  # "block": block diffusion (decoding/block_loop.py)
@@ -225,9 +188,6 @@ def _soft_embeddings(module, params, logits_BSV):
     return jnp.einsum("bsv,vd->bsd", p, table)
 
 
-STAT_KEYS = ("nfe_full", "nfe_window", "iters", "row_nfe", "steps_per_block", "done", "nfe_partial")
-
-
 def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
                   active_B, knobs: dict[str, Any], observer_id=None, refresh_rows: tuple[int, ...] = ()):
     """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
@@ -239,26 +199,17 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
     spec.observe, which adds one host callback per iteration with the generation region.
     refresh_rows: see loop_functions.
     """
-    init, body, stat_keys = loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, canvas_BL.shape[1],
-                                           knobs, observer_id, refresh_rows)
+    init, body = loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start, canvas_BL.shape[1],
+                                knobs, observer_id, refresh_rows)
 
     def cond(s):
-        return jnp.any(~s["done"]) & (s["iters"] < spec.max_iterations)
+        return jnp.any(~s.done) & (s.iters < spec.max_iterations)
 
     with jax.named_scope("denoise_loop"):
         final = jax.lax.while_loop(cond, body, init(canvas_BL, active_B))
-    stats = loop_stats(final, stat_keys)
+    stats = final.stats()
     stats.update(record_region(final, gen_start, spec.gen_length))
-    return final["x"], stats
-
-
-def loop_stats(state, stat_keys) -> dict:
-    """The counters a finished (or paused) loop state reports (GenerationResult's stats)."""
-    stats = {k: state[k] for k in stat_keys}
-    if "nfe_commit" in state:  # block mode: every forward is a window (none covers the whole canvas)
-        stats["nfe_full"] = jnp.zeros((), jnp.int32)
-        stats["nfe_window"] = state["nfe_window"] + state["nfe_commit"] + state.get("nfe_sub", 0)
-    return stats
+    return final.x, stats
 
 
 def refresh_rows_for(batch: int, batch_shards: int = 1) -> tuple[int, ...]:
@@ -275,7 +226,8 @@ def refresh_rows_for(batch: int, batch_shards: int = 1) -> tuple[int, ...]:
 
 def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_start: int, Lc: int, knobs,
                    observer_id=None, refresh_rows: tuple[int, ...] = ()):
-    """The loop's pieces -> (init(canvas_BL, active_B) -> state, body(state) -> state, stat keys).
+    """The loop's pieces -> (init(canvas_BL, active_B) -> state, body(state) -> state); the state is
+    a loop_state.CanvasLoopState (BlockLoopState for cache "block").
     Row context (pads, prompt lengths, knobs) comes in as arrays, so a paused state can take new rows
     between segments (decoding/segments.py): every per-row quantity lives in the state or is derived
     from the row context; the body never mixes rows. refresh_rows = (R1 < R2 ...) (cached modes): a
@@ -302,38 +254,33 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         return first_B + blk_B * Bk
 
     def init(canvas_BL, active_B):
-        state = dict(
-            x=canvas_BL, blk=jnp.zeros((B,), jnp.int32), stp=jnp.zeros((B,), jnp.int32),
-            it=jnp.zeros((B,), jnp.int32), done=~active_B, n_entry=jnp.zeros((B,), jnp.int32),
-            nfe_full=jnp.zeros((), jnp.int32), nfe_window=jnp.zeros((), jnp.int32), iters=jnp.zeros((), jnp.int32),
-            nfe_partial=jnp.zeros((), jnp.int32), row_nfe=jnp.zeros((B,), jnp.int32),
+        zeros_B, zero = jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)
+        return CanvasLoopState(
+            x=canvas_BL, blk=zeros_B, stp=zeros_B, it=zeros_B, done=~active_B, n_entry=zeros_B, row_nfe=zeros_B,
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
-        )
-        state.update(commit_record_init(B, Lc, spec))
-        if spec.cache != "none":
-            state["kv"] = empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)
-        if spec.strategy == "credit":
-            state["credit"] = jnp.zeros((B, Bk, cfg.vocab_size), jnp.float32)
-        if spec.smoothing:
-            state["soft"] = jnp.zeros((B, Lc, cfg.hidden_size), module.dtype)
-        return state
+            nfe_full=zero, nfe_window=zero, nfe_partial=zero, iters=zero,
+            record=commit_record_init(B, Lc, spec),
+            kv=(None if spec.cache == "none"
+                else empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)),
+            credit=jnp.zeros((B, Bk, cfg.vocab_size), jnp.float32) if spec.strategy == "credit" else None,
+            soft=jnp.zeros((B, Lc, cfg.hidden_size), module.dtype) if spec.smoothing else None)
 
     def body(s):
-        active = ~s["done"]
-        start_B = block_start(s["blk"])
-        x = s["x"]
-        soft = s.get("soft")
+        active = ~s.done
+        start_B = block_start(s.blk)
+        x = s.x
+        soft = s.soft
         if spec.cache == "none":
             need_full = active
         else:
-            need_full = active & (s["stp"] == 0)
+            need_full = active & (s.stp == 0)
             if spec.refresh_every:
-                need_full |= active & (s["stp"] % spec.refresh_every == 0)
+                need_full |= active & (s.stp % spec.refresh_every == 0)
             if spec.cache == "vicinity" and spec.warmup_steps:
-                need_full |= active & (s["it"] < spec.warmup_steps)
+                need_full |= active & (s.it < spec.warmup_steps)
         need_win = active & ~need_full
         V = cfg.vocab_size
-        fwd = lambda **kw: _forward(module, params, spec, kw.pop("tokens"), kw.pop("soft"), s["it"],  # noqa: E731
+        fwd = lambda **kw: _forward(module, params, spec, kw.pop("tokens"), kw.pop("soft"), s.it,  # noqa: E731
                                     knobs, **kw)
 
         # ---- full forward (whole canvas)
@@ -346,12 +293,12 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 # the refreshing rows' fresh K/V go into the carried cache layer by layer (the others
                 # keep theirs), in place: no second stacked cache (Transformer kv_in_place)
                 write_R = take(need_full)
-                refresh = dict(kv=s["kv"], window_start=0, kv_in_place=True, kv_rows=rows,
+                refresh = dict(kv=s.kv, window_start=0, kv_in_place=True, kv_rows=rows,
                                kv_write_BS=jnp.broadcast_to(write_R[:, None], (write_R.shape[0], Lc)),
                                key_positions_BL=take(positions_BL))
             with jax.named_scope("forward_full"):
                 lw = None if spec.smoothing else (start_R - sh, Bk)
-                logits, kv = _forward(module, params, spec, take(x), take(soft), take(s["it"]),
+                logits, kv = _forward(module, params, spec, take(x), take(soft), take(s.it),
                                       jax.tree_util.tree_map(take, knobs), positions_BS=take(positions_BL),
                                       key_mask_BL=take(key_mask_BL), logits_window=lw, **refresh)
             if spec.smoothing:
@@ -373,7 +320,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
 
         def no_full(_):
             soft_new = None if not spec.smoothing else jnp.zeros_like(soft)
-            return jnp.zeros((B, Bk, V), jnp.float32), s["kv"], soft_new
+            return jnp.zeros((B, Bk, V), jnp.float32), s.kv, soft_new
 
         new_state = {}
         if spec.cache == "none":  # every active row runs a full forward; the loop only runs with some active
@@ -385,7 +332,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             branch = jnp.where(n_full == 0, 0, 1 + jnp.sum(n_full > jnp.asarray(sizes, jnp.int32)))
             branches = (no_full, *(functools.partial(some_full, R) for R in sizes), full)
             logits_full, kv_full, soft_full = jax.lax.switch(branch, branches, None)
-            new_state["nfe_partial"] = s["nfe_partial"] + ((branch > 0) & (branch <= len(sizes))).astype(jnp.int32)
+            new_state["nfe_partial"] = s.nfe_partial + ((branch > 0) & (branch <= len(sizes))).astype(jnp.int32)
         else:
             logits_full, kv_full, soft_full = jax.lax.cond(jnp.any(need_full), full, no_full, None)
         logits = logits_full
@@ -393,7 +340,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             kv = kv_full
             new_state["kv"] = kv
             logits_win, soft_win, win_start = _window_forward(
-                spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s["blk"], need_win, gen_start,
+                spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s.blk, need_win, gen_start,
                 Lc, B, V, module, params)
             logits = jnp.where(need_full[:, None, None], logits_full, logits_win)
         if spec.smoothing:
@@ -407,35 +354,35 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         with jax.named_scope("strategy"):
             x_blk = window_slice(x, start_B, Bk)
             masked = x_blk == M
-            n_entry = jnp.where(s["stp"] == 0, jnp.sum(masked, axis=-1), s["n_entry"])
-            quota = (st.num_transfer_tokens(n_entry, spec.steps_per_block, s["stp"])
+            n_entry = jnp.where(s.stp == 0, jnp.sum(masked, axis=-1), s.n_entry)
+            quota = (st.num_transfer_tokens(n_entry, spec.steps_per_block, s.stp)
                      if spec.strategy in st.FIXED else n_entry)
             tau = knobs["threshold"]
             if spec.smoothing:
-                tau = jnp.maximum(1.0 - 0.02 * s["it"].astype(jnp.float32), tau)
-            keys = jax.vmap(jax.random.fold_in)(base_keys, s["it"])
+                tau = jnp.maximum(1.0 - 0.02 * s.it.astype(jnp.float32), tau)
+            keys = jax.vmap(jax.random.fold_in)(base_keys, s.it)
             logits = st.forbid_eos(logits, start_B[:, None] + jnp.arange(Bk)[None, :] - gen_start, spec.eos_id, knobs)
             if spec.constraint_classes:
                 logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
                                           x_blk)
             if spec.strategy == st.DREAM:
-                frac, k = st.dream_schedule(knobs["eps"], spec.steps_per_block, s["stp"], jnp.sum(masked, axis=-1))
+                frac, k = st.dream_schedule(knobs["eps"], spec.steps_per_block, s.stp, jnp.sum(masked, axis=-1))
                 cand, transfer = st.dream_decide(spec.alg, logits, x_blk, M, knobs, keys_B=keys, frac_B=frac, k_B=k)
                 credit = None
             else:
                 cand, transfer, credit = st.decide(spec.strategy, logits, x_blk, M, knobs, keys_B=keys,
-                                                   step_B=s["stp"], quota_B=quota, tau_B=tau,
-                                                   credit_BSV=s.get("credit"))
+                                                   step_B=s.stp, quota_B=quota, tau_B=tau,
+                                                   credit_BSV=s.credit)
             transfer &= active[:, None]
-            new_state.update(commit_record(s, transfer, cand, logits, start_B, spec))
+            new_state["record"] = commit_record(s, transfer, cand, logits, start_B, spec)
             x_blk = jnp.where(transfer, cand, x_blk)
             x = window_write(x, x_blk, start_B)
             if credit is not None:
-                new_state["credit"] = jnp.where(active[:, None, None], credit, s["credit"])
+                new_state["credit"] = jnp.where(active[:, None, None], credit, s.credit)
 
         # ---- block bookkeeping, early stop
         if spec.strategy in st.SCHEDULED:
-            finished = active & (s["stp"] + 1 >= spec.steps_per_block)
+            finished = active & (s.stp + 1 >= spec.steps_per_block)
         else:
             finished = active & ~jnp.any(x_blk == M, axis=-1)
         block_end = start_B + Bk
@@ -445,26 +392,25 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= block_end[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
         x = jnp.where(fill & (x == M), spec.eos_id, x)  # only masks: a template's fixed tokens stay
-        last = s["blk"] + 1 >= n_blocks_B
-        done = s["done"] | stop_now | (finished & last)
-        spb = s["steps_per_block"]
-        spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s["blk"][:, None]),
-                        (s["stp"] + 1)[:, None], spb)
+        last = s.blk + 1 >= n_blocks_B
+        done = s.done | stop_now | (finished & last)
+        spb = jnp.where(finished[:, None] & (jnp.arange(spec.num_blocks)[None, :] == s.blk[:, None]),
+                        (s.stp + 1)[:, None], s.steps_per_block)
         new_state.update(
             x=x, done=done, n_entry=n_entry, steps_per_block=spb,
-            blk=jnp.where(finished & ~done, s["blk"] + 1, s["blk"]),
-            stp=jnp.where(finished, 0, jnp.where(active, s["stp"] + 1, s["stp"])),
-            it=s["it"] + active.astype(jnp.int32),
-            row_nfe=s["row_nfe"] + active.astype(jnp.int32),
-            nfe_full=s["nfe_full"] + jnp.any(need_full).astype(jnp.int32),
-            nfe_window=s["nfe_window"] + jnp.any(need_win).astype(jnp.int32),
-            iters=s["iters"] + 1,
+            blk=jnp.where(finished & ~done, s.blk + 1, s.blk),
+            stp=jnp.where(finished, 0, jnp.where(active, s.stp + 1, s.stp)),
+            it=s.it + active.astype(jnp.int32),
+            row_nfe=s.row_nfe + active.astype(jnp.int32),
+            nfe_full=s.nfe_full + jnp.any(need_full).astype(jnp.int32),
+            nfe_window=s.nfe_window + jnp.any(need_win).astype(jnp.int32),
+            iters=s.iters + 1,
         )
         if spec.observe:
-            emit(observer_id, s["iters"], x[:, gen_start:gen_end], new_state["blk"], done, active)
-        return {**s, **new_state}
+            emit(observer_id, s.iters, x[:, gen_start:gen_end], new_state["blk"], done, active)
+        return s.replace(**new_state)
 
-    return init, body, STAT_KEYS
+    return init, body
 
 
 def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, blk_B, need_win, gen_start,

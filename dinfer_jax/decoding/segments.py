@@ -1,21 +1,8 @@
 """Continuous batching: the one-jit loop run in bounded segments, rows swapped in between.
-
-A `RunningBatch` owns one compiled program family, (DecodeSpec, gen_start, B): a paused loop
-state on the device plus the host's copy of the row context (pads, prompt lengths, knobs).
-  step(n)  runs at most n loop iterations, returning early as soon as some row finishes (one
-           host sync per segment: the `done` flags); finished rows are read out and their slots
-           freed.
-  admit()  puts new prompts into free slots: their rows are built by the loop's own init (the
-           prefill, for block diffusion) and merged into the state row by row. Every per-row
-           leaf (canvas, cache, counters, block/step position, RNG position) is replaced whole,
-           so a freed slot's old contents can never leak into the new row, and a prompt decodes
-           exactly as it would alone (same tokens, same forwards: tests/test_segments.py).
-Rows never mix inside the loop body (every per-row quantity is derived from that row's state
-and context), which is what makes a row's trajectory independent of its neighbours. Batch-wide
-counters (nfe_full / nfe_window / iters) keep accumulating; per-row counters restart at admission.
-A row's iteration bound is its own (`it` < spec.row_max_iterations(its gen_length): what its
-gen_length's program alone allows), not the batch's.
-"""
+`RunningBatch` holds a paused loop state (loop_state.py) for one (DecodeSpec, gen_start, B) and the
+host's row context: `step(n)` runs at most n iterations (ends early when a row finishes), `admit`
+builds new rows with the loop's own init and merges them in, `take_rows` moves rows between batch
+sizes; a row decodes exactly as alone. Details: docs/internals/decoding_loops.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,55 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.cache import cache_shape
-from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, loop_stats, same_program
+from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, same_program
 from dinfer_jax.decoding.row_state import record_region
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.sharding import to_host
-
-BATCH_AXIS = {"kv": 1}  # state leaves whose batch axis is not the first ((layers, B, L, K*H) caches)
-
-
-def merge_rows(state: dict, fresh: dict, take_B) -> dict:
-    """state with the rows where take_B is True replaced by fresh's (every per-row leaf; scalars,
-    the batch-wide counters, keep state's)."""
-    out = {}
-    for k, v in state.items():
-        axis = BATCH_AXIS.get(k, 0)
-
-        def pick(a, b, axis=axis):
-            if a.ndim == 0:
-                return a
-            shape = [1] * a.ndim
-            shape[axis] = a.shape[axis]
-            return jnp.where(take_B.reshape(shape), b, a)
-        out[k] = jax.tree_util.tree_map(pick, v, fresh[k])
-    return out
-
-
-def move_rows(dst: dict | None, src: dict, src_of_D, take_D) -> dict:
-    """A D-row state whose rows where take_D (D,) holds are src's rows src_of_D (D,) (a gather along
-    each leaf's batch axis); the other rows keep dst's (dst None: they are src's row src_of_D,
-    marked done, so they never step and an admission replaces them whole). Scalars (batch-wide
-    counters) keep dst's (src's when dst is None)."""
-    out = {}
-    for k, v in src.items():
-        axis = BATCH_AXIS.get(k, 0)
-
-        def move(a, b, axis=axis):
-            if a.ndim == 0:
-                return a if b is None else b
-            got = jnp.take(a, src_of_D, axis=axis)
-            if b is None:
-                return got
-            shape = [1] * a.ndim
-            shape[axis] = take_D.shape[0]
-            return jnp.where(take_D.reshape(shape), got, b)
-        out[k] = (jax.tree_util.tree_map(lambda a, move=move: move(a, None), v) if dst is None
-                  else jax.tree_util.tree_map(move, v, dst[k]))
-    if dst is None:
-        out["done"] = out["done"] | ~take_D
-    return out
-
 
 def abstract_state(state: dict | None):
     """The shapes and dtypes of a loop state, with the shardings of committed (mesh-placed) leaves
@@ -94,27 +36,26 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_r
     `width` prompt positions over the cached prompt K/V (decoding/prefix_cache.py)."""
 
     def init(params, canvas_BL, pad_B, plen_B, active_B, knobs, cached_kv=None, width=None):
-        fn, _, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs)
+        fn, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs)
         if cached_kv is None:
             return fn(canvas_BL, active_B)
         return fn(canvas_BL, active_B, prefix=(cached_kv, width))
 
     def segment(params, state, pad_B, plen_B, knobs, max_iters):
-        _, body, _ = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs,
+        _, body = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs,
                                     refresh_rows=refresh_rows)
-        done0 = state["done"]
+        done0 = state.done
         bound_B = (spec.row_max_iterations(knobs["gen_length"]) if "gen_length" in knobs
                    else jnp.full(done0.shape, spec.max_iterations, jnp.int32))
 
         def cond(c):
             s, n = c
-            return jnp.any(~s["done"]) & (n < max_iters) & ~jnp.any(s["done"] & ~done0)
+            return jnp.any(~s.done) & (n < max_iters) & ~jnp.any(s.done & ~done0)
 
         def step(c):
             s, n = c
             s = body(s)
-            s["done"] = s["done"] | (s["it"] >= bound_B)  # the row's own bound
-            return s, n + 1
+            return s.replace(done=s.done | (s.it >= bound_B)), n + 1  # the row's own bound
 
         with jax.named_scope("denoise_segment"):
             final, _ = jax.lax.while_loop(cond, step, (state, jnp.zeros((), jnp.int32)))
@@ -232,7 +173,7 @@ class RunningBatch:
             width = self.gen_start
             fresh = self._init(self.gen.model.params, put(canvas), args[0], args[1], put(take), args[2])
         if pc is not None:
-            self._store(items, used, fresh["kv"], width)
+            self._store(items, used, fresh.kv, width)
         self.state = fresh if self.state is None else self._merge(self.state, fresh, put(take))
         return used
 
@@ -273,12 +214,12 @@ class RunningBatch:
         ctx = (put(pad), put(plen), {k: put(v) for k, v in knobs.items()})
         gone = np.zeros((src.B,), bool)
         gone[slots] = True
-        src_done = src.state["done"] | put(gone)
+        src_done = src.state.done | put(gone)
         self.state, self._ctx, self.pad, self.plen, self.glen, self.knobs = state, ctx, pad, plen, glen, knobs
         for d, b in zip(used, slots):
             self.top_n[d], self.slots[d] = src.top_n[b], src.slots[b]
             src.slots[b] = None
-        src.state = {**src.state, "done": src_done}
+        src.state = src.state.replace(done=src_done)
         return used
 
     # ---- prompt prefix cache (block-causal models; decoding/prefix_cache.py)
@@ -345,7 +286,7 @@ class RunningBatch:
         pad, plen, knobs = self._ctx  # set by the admission that made self.state
         self.state = self._segment(self.gen.model.params, self.state, pad, plen, knobs, np.int32(max_iters))
         self.segments += 1
-        done = np.asarray(jax.device_get(self.state["done"]))
+        done = np.asarray(jax.device_get(self.state.done))
         finished = [b for b in range(self.B) if self.slots[b] is not None and done[b]]
         return self._read(finished) if finished else []
 
@@ -363,19 +304,19 @@ class RunningBatch:
             return
         sel = np.zeros((self.B,), bool)
         sel[list(slots)] = True
-        self.state = {**self.state, "done": self.state["done"] | self.gen.model.place_batch(sel)}
+        self.state = self.state.replace(done=self.state.done | self.gen.model.place_batch(sel))
         for b in slots:
             self.slots[b] = None
 
     def progress(self):
         """Host copies of the running canvas' generation region (B, G), block index (B,) and done (B,)."""
         s = self.state
-        return (to_host(s["x"])[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s["blk"]),
-                to_host(s["done"]))
+        return (to_host(s.x)[:, self.gen_start:self.gen_start + self.spec.gen_length], to_host(s.blk),
+                to_host(s.done))
 
     def progress_steps(self) -> np.ndarray:
         """Host copy of each row's decoder steps since its admission (B,) int32 (the state's `it`)."""
-        return to_host(self.state["it"])
+        return to_host(self.state.it)
 
     def progress_record(self) -> dict:
         """Host copies of the running commit record over the generation region (row_state.record_region:
@@ -385,8 +326,8 @@ class RunningBatch:
     def _read(self, rows: list[int]) -> list[RowResult]:
         spec, cfg = self.spec, self.cfg
         s = self.state
-        canvas = to_host(s["x"])
-        stats = jax.tree_util.tree_map(to_host, loop_stats(s, self._stat_keys()))
+        canvas = to_host(s.x)
+        stats = {k: to_host(v) for k, v in s.stats().items() if k in ("row_nfe", "steps_per_block", "edits")}
         rec = jax.tree_util.tree_map(to_host, record_region(s, self.gen_start, spec.gen_length))
         out = []
         for b in rows:
@@ -400,6 +341,3 @@ class RunningBatch:
             self.slots[b] = None
         return out
 
-    def _stat_keys(self):
-        keys = ("row_nfe", "steps_per_block", "done")
-        return keys + (("edits",) if "edits" in self.state else ())

@@ -1,27 +1,8 @@
 """Decoding strategies: pure functions from one block's logits to the tokens to unmask.
-
-All functions work on a batch of rows, each at its own block: logits_BSV (fp32) for the S block
-positions, x_BS the block's current tokens. A position is *masked* when x == mask_id. Every
-strategy returns (cand_BS, transfer_BS): the candidate tokens and which masked positions take them.
-Per-row knobs are (B,) arrays, so one compiled program serves requests with different settings.
-
-Definitions (docs/facts/decoding.md):
-- candidate x^ = argmax(l + T*g) (Gumbel-max, g standard Gumbel; exactly argmax l when T == 0);
-  confidence c = softmax(l)[x^] with the un-noised logits, fp32.
-- fixed (LLaDA low_confidence / random): unmask the top-k_i confidences (k_i from `quota`).
-- threshold (dInfer): eligible = masked & x^ != mask; unmask eligible c >= min(max c - 1e-5, tau).
-- factor (Fast-dLLM): sort eligible c descending; the n-th (1-based) is accepted while every
-  m = 2..n has c_(m) >= 1 - f/(m+1); the first always.
-- credit: C <- beta*C (not on a block's first step); C[i, argmax p_i] += max(p_i)^gamma on masked i;
-  then threshold on l + alpha*log(1+C).
-- hierarchy: maximal runs of masked positions; each run's most confident eligible position if
-  c > low; OR every eligible c > tau; OR the row's most confident eligible position.
-- dream (Dream-7B's diffusion_generate, reference llada2_and_dream.md §13.5): see `dream_decide`.
-- sequential, entropy_bounded (SDAR's remasking; cache="block" only): decoding/block_loop.py.
-Progress guarantee (ours): if every masked position's argmax is the mask token (nothing eligible),
-threshold-family strategies unmask the most confident masked position with its best non-mask token.
-Ties are broken towards the lower position (stable sort).
-"""
+logits_BSV (fp32) for each row's S block positions, x_BS its current tokens (masked: x == mask_id);
+every strategy returns (cand_BS, transfer_BS); per-row knobs are (B,) arrays. The definitions
+(fixed, threshold, factor, credit, hierarchy, dream) and the progress guarantee:
+docs/internals/decoding_loops.md, sourced in docs/facts/decoding.md."""
 from __future__ import annotations
 
 import jax

@@ -1,46 +1,8 @@
-"""The server's continuous-batching scheduler (first done, first out).
-
-`ContinuousBatcher` shares the static scheduler's interface (submit / close / snapshot) and
-job plumbing (scheduler.Scheduler), but decodes with `decoding/segments.RunningBatch`es: the one-jit loop runs in
-segments of at most `segment` iterations (a segment also ends as soon as some row finishes);
-between segments, finished rows are answered and waiting requests take the freed slots. A short
-request no longer waits for the longest one in its batch, and a request arriving mid-batch starts
-at the next segment boundary instead of after the whole batch.
-
-Programs: one RunningBatch per (DecodeSpec with the gen length bucketed to a power-of-two number
-of blocks, prompt bucket: `prompt_bucket`, batch size) in flight; a row decodes its own gen_length
-inside the program's region (max_tokens 16, 24 and 32 with block 8 share one program of 32),
-exactly as alone, at most `max_programs` at once, stepped round robin. A job joins a batch whose
-programs are compiled before one still compiling (it never waits for a compile a ready program
-makes unnecessary: `_place`); a new batch takes the largest gen length running with the same
-settings (rows of every length then share one program), and its size is the power of two
-covering the waiting rows that join it plus the rows already running its program (at most
-max_batch): a lone request decodes in a batch of one (as fast as the static scheduler), a loaded
-program grows. When a program's batches drain, their rows move into
-one smaller batch, and several batches of one program merge into one (`repack_size`,
-`RunningBatch.take_rows`: a B-slot program costs B rows whatever the number running, and each
-batch costs a forward per step; the movers compile on the compile thread). A batch is dropped when it runs empty (its
-compiled programs stay cached). Rows of one batch share the compiled settings; per-row knobs
-(threshold, temperature, seed, ...) differ freely. A job that fits no running batch waits for one
-to drain (FIFO among equals; other jobs may pass it). A job that cannot be planned, admitted or decoded fails alone
-(or with its batch, for a failing program); the scheduler goes on.
-
-Compilation never stalls the running rows: a new program (spec, prompt bucket, batch size) not yet
-compiled is compiled on a separate thread (`Generator.warm_segment_programs`, a throwaway batch);
-its jobs wait beside it while the other batches keep stepping, and are admitted once it is ready.
-The prefix cache's shorter prefills (one program per width) are compiled the same way; until one
-is ready, admissions prefill in full.
-
-Streaming jobs get each finished block, one chunk per block, at the segment boundary after it is
-decoded (one extra device-to-host read of the running canvas per segment, only while a streaming
-row runs); stream_canvas jobs also get their canvas when it changed since the last segment (plus a
-read of the rows' step counters, only while such a row runs).
-
-Templated jobs (a canvas template: infill suffix, response_format / structured_outputs) run as
-whole static batches (`Scheduler._decode`, grouped by compiled settings) between segments: their
-program carries the per-position token sets, which the running batches' programs do not; while
-one runs, the running batches wait for it (a known cost, bounded by one templated generation).
-"""
+"""The continuous-batching scheduler (first done, first out): `ContinuousBatcher` decodes with
+decoding/segments.RunningBatches stepped round robin in segments of at most `segment` iterations;
+between segments finished rows are answered, waiting jobs take free slots, draining batches are
+repacked, and new programs compile on a separate thread while the others keep stepping.
+Placement, repacking, compilation, streaming and templated jobs: docs/serving.md."""
 from __future__ import annotations
 
 import collections
