@@ -424,7 +424,7 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     (router, sort, experts, combine), the expert grouped matmuls alone (MoE), final norm + LM head."""
     from dinfer_jax.models.layers import MLP, Attention, rms_normalize
     from dinfer_jax.models.moe import MoE, resolve_impl, route
-    from pallas_kernels.attention import attention
+    from dinfer_jax.kernels import attention
     q, L, g = window_shapes(kind, prompt_len, gen_len, block, prefix_look, after_look)[0]
     c = cfg
     B, D, N, K, H = batch, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim

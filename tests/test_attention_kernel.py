@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import BlockSizes, attention, flash_attention
+from dinfer_jax.kernels import attention
+from pallas_kernels.attention import BlockSizes, flash_attention
 from pallas_kernels.attention.reference import attention_reference
 
 pytestmark = pytest.mark.smoke  # no torch; also checks the Pallas API on the newest jax
@@ -96,7 +97,7 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("B,S,L,N,K,H,pad,block_size,bs,dtype", [
     c + (jnp.float32,) for c in SPLIT_CASES] + [c + (jnp.bfloat16,) for c in SPLIT_CASES[:2]])
 def test_gpu_kv_split_matches_reference(B, S, L, N, K, H, pad, block_size, bs, dtype):
-    from pallas_kernels.attention import kernel as kmod
+    from pallas_kernels.attention import gpu as kmod
     t = kmod.gpu_tiles(S, L, N // K, H, jnp.dtype(dtype).itemsize, bs, B=B, K=K)
     assert t["n_split"] == min(bs.kv_splits, t["L_pad"] // t["bkv"]) > 1, t
     q, k, v, mask = _inputs(B * 100 + S + 1, B, S, L, N, K, H, dtype, pad)
@@ -123,7 +124,7 @@ def test_gpu_kv_split_pads_a_query_group_that_is_not_a_power_of_two():
 def test_gpu_kv_split_poison_catches_an_unwritten_output(monkeypatch):
     """Positive control for poison_output on the split path: a kernel that never writes its running
     sums l (it is handed the m output twice) leaves them NaN, and the merged output shows it."""
-    from pallas_kernels.attention import kernel as kmod
+    from pallas_kernels.attention import gpu as kmod
     B, S, L, N, K, H = 1, 8, 384, 2, 1, 16  # a shape no other test uses (jit cache)
     q, k, v, mask = _inputs(11, B, S, L, N, K, H, jnp.float32, [3])
     bs = BlockSizes(8, 128, kv_splits=3)
@@ -143,7 +144,7 @@ def test_gpu_split_rule():
     """The split is picked only when B*K*nq programs leave SMs idle: LLaDA-MoE's window (S=64 over
     L=4096, 16/16 heads, H=128, bf16) gets 8 chunks of 8 tiles at B=1 (16 -> 128 programs of the
     H200's 132) and none at B=8 (128 programs, where the unsplit kernel beat XLA 2.65x)."""
-    from pallas_kernels.attention import kernel as kmod
+    from pallas_kernels.attention import gpu as kmod, gpu_split as ksplit
     one = kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512), B=1, K=16)
     assert (one["n_split"], one["chunk_blocks"], one["bkv"]) == (8, 8, 64)
     assert kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512), B=8, K=16)["n_split"] == 1
@@ -153,12 +154,12 @@ def test_gpu_split_rule():
     assert kmod.gpu_tiles(64, 4096, 1, 128, 2, BlockSizes(64, 512), B=1, K=16, target_programs=16)["n_split"] == 1
     for programs in (1, 2, 3, 16, 33, 65, 66, 131, 132, 1000):
         for tiles in (1, 2, 3, 5, 17, 64, 512):
-            n, chunk = kmod.gpu_split(programs, tiles)
+            n, chunk = ksplit.gpu_split(programs, tiles)
             assert 1 <= n <= tiles and (n - 1) * chunk < tiles <= n * chunk, (programs, tiles)  # no empty chunk
-            assert n == 1 or (programs * n <= kmod.GPU_TARGET_PROGRAMS and chunk >= kmod.GPU_MIN_SPLIT_TILES)
-            small = programs <= kmod.GPU_TARGET_PROGRAMS // kmod.GPU_SPLIT_MAX_FRACTION
-            assert (n > 1) == (small and tiles >= 2 * kmod.GPU_MIN_SPLIT_TILES)
-    assert kmod.gpu_split(16, 17, kv_splits=5) == (5, 4) and kmod.gpu_split(16, 3, kv_splits=8) == (3, 1)
+            assert n == 1 or (programs * n <= ksplit.GPU_TARGET_PROGRAMS and chunk >= ksplit.GPU_MIN_SPLIT_TILES)
+            small = programs <= ksplit.GPU_TARGET_PROGRAMS // ksplit.GPU_SPLIT_MAX_FRACTION
+            assert (n > 1) == (small and tiles >= 2 * ksplit.GPU_MIN_SPLIT_TILES)
+    assert ksplit.gpu_split(16, 17, kv_splits=5) == (5, 4) and ksplit.gpu_split(16, 3, kv_splits=8) == (3, 1)
 
 
 def test_gpu_tiles_fit_shared_memory_and_triton_rules():
@@ -167,7 +168,7 @@ def test_gpu_tiles_fit_shared_memory_and_triton_rules():
     tiles in flight within GPU_SMEM_BUDGET (an H200 refused the earlier bkv = 512 tiles: 'Shared memory
     size limit exceeded: requested 561152, available: 232448'; jax.export cannot see this, only the
     Triton compile on a GPU does)."""
-    from pallas_kernels.attention import kernel as kmod
+    from pallas_kernels.attention import gpu as kmod
     from tests.test_attention_lowering import HEADS, WINDOWS
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     shapes = [(S, L) for _, S, L in WINDOWS] + [(64, 512), (512, 512), (32, 4096), (2048, 2048)]
@@ -217,8 +218,8 @@ def test_dispatcher_impls_agree():
 def test_auto_and_interpret_follow_the_target_platform(monkeypatch):
     """"auto" -> "pallas" on TPU/GPU targets and "xla" on CPU; the kernel is interpreted only for a CPU
     target: a TPU target on this CPU host calls flash_attention with interpret=False."""
-    import pallas_kernels.attention as attn
-    assert [attn.resolve_impl("auto", p) for p in ("cpu", "tpu", "cuda", "gpu")] == ["xla", "pallas", "pallas", "pallas"]
+    import dinfer_jax.kernels as attn
+    assert [attn.attention_impl("auto", p) for p in ("cpu", "tpu", "cuda", "gpu")] == ["xla", "pallas", "pallas", "pallas"]
     seen = []
     monkeypatch.setattr(attn, "flash_attention", lambda *a, **kw: seen.append((kw["backend"], kw["interpret"])) or a[0])
     q, k, v, _ = _inputs(0, 1, 8, 16, 4, 2, 16, jnp.float32)

@@ -141,7 +141,7 @@ def test_model_platform_defaults_and_errors():
 
     from dinfer_jax.model import Model
     from dinfer_jax.models import init_params
-    from dinfer_jax.models.moe import resolve_impl
+    from dinfer_jax.kernels import expert_impl as resolve_impl
     cfg = preset("tiny")
     params = init_params(cfg)
     assert Model(cfg, params).target_platform == jax.devices()[0].platform  # where the params live

@@ -210,11 +210,11 @@ def test_moe_experts_pallas_equals_dense():
 
 @pytest.mark.smoke
 def test_moe_impl_table_and_auto(monkeypatch):
-    from dinfer_jax.models import moe
-    assert "pallas" in moe.MOE_IMPLS and moe.resolve_impl("pallas") == "pallas"
+    from dinfer_jax import kernels
+    assert "pallas" in kernels.EXPERT_IMPLS and kernels.expert_impl("pallas") == "pallas"
     for backend, want in (("cpu", "tiled"), ("tpu", "pallas"), ("gpu", "ragged")):
-        monkeypatch.setattr(moe.jax, "default_backend", lambda b=backend: b)
-        assert moe.resolve_impl("auto") == want, backend
+        monkeypatch.setattr(kernels.jax, "default_backend", lambda b=backend: b)
+        assert kernels.expert_impl("auto") == want, backend
 
 
 @pytest.mark.smoke

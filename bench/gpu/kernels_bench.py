@@ -41,8 +41,9 @@ class Rows(list):
 
 
 def attention_rows(tiny: bool, repeats: int, all_shapes: bool = False):
-    from pallas_kernels.attention import BlockSizes, attention
-    from pallas_kernels.attention.kernel import gpu_tiles
+    from dinfer_jax.kernels import attention
+    from pallas_kernels.attention import BlockSizes
+    from pallas_kernels.attention.gpu import gpu_tiles
     on_gpu = jax.default_backend() == "gpu"
     on_accel = jax.default_backend() in ("gpu", "tpu")
     dtype = jnp.bfloat16

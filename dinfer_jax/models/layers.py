@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dinfer_jax.cache import as_starts, merge_heads, row_major, split_heads, window_write
+from dinfer_jax import kernels
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import quant, stacked
 from dinfer_jax.sharding import batch_axes
-from pallas_kernels.attention import attention, target_platform
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -86,7 +86,7 @@ def _shard_kw(mesh, batch: int, kv_heads: int):
 def _layout_pin(platform, mesh, batch: int, kv_heads: int):
     """cache.row_major for an XLA:TPU target (identity elsewhere) over (B, L, K, H) or (B, L, K*H) K/V;
     inside a shard_map on a multi-device mesh (docs/internals/model_code.md)."""
-    if target_platform(platform) != "tpu":
+    if not kernels.pins_kv_layout(platform):
         return lambda a: a
     if mesh is None or mesh.size == 1:
         return row_major
@@ -110,7 +110,7 @@ class Attention(nn.Module):
     """
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
-    attention_impl: str = "auto"  # pallas_kernels.attention.IMPLS
+    attention_impl: str = "auto"  # kernels.ATTENTION_IMPLS
     mesh: Any = None  # multi-device mesh: the Pallas kernel runs per shard (rows over batch axes, heads over model)
     platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
@@ -149,7 +149,7 @@ class Attention(nn.Module):
             k_pos = positions_BS if key_positions_BL is None else key_positions_BL
             if block_size and k_pos.shape[1] != k.shape[1]:
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
-            o_BSNH = attention(q, split_heads(k, K), split_heads(v, K), key_mask_BL, q_pos_BS=positions_BS,
+            o_BSNH = kernels.attention(q, split_heads(k, K), split_heads(v, K), key_mask_BL, q_pos_BS=positions_BS,
                                k_pos_BL=k_pos, block_size=block_size, impl=self.attention_impl,
                                platform=self.platform, **_shard_kw(self.mesh, k.shape[0], K))
         return stacked.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)

@@ -13,26 +13,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax import kernels
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.models import stacked
 from dinfer_jax.models.expert_parallel import moe_expert_parallel
 from dinfer_jax.models.layers import MLP, param
 from dinfer_jax.models.quant import QuantizedWeight, expert_matmul, matmul, ragged_matmul
 from dinfer_jax.sharding import batch_axes
-from pallas_kernels.attention import target_platform
-from pallas_kernels.moe import swiglu_experts_gmm, swiglu_experts_tiled
-
-MOE_IMPLS = ("auto", "ragged", "tiled", "pallas", "dense")
-
-
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """The concrete expert path for `impl` on the target platform (None = jax.default_backend())."""
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"unknown moe impl {impl!r}; choose one of {MOE_IMPLS}")
-    if impl == "auto":
-        return {"tpu": "pallas", "cpu": "tiled"}.get(target_platform(platform), "ragged")
-    return impl
-
 
 def router_logits(x_TD, w_router_DE):
     """fp32 logits_TE = x_TD @ w_router_DE."""
@@ -128,7 +115,7 @@ def experts_tiled(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EFD
 
     def swiglu(x_sorted, flat_experts):
         group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-        return swiglu_experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD,
+        return kernels.experts_tiled(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD,
                                     weight_matmul=stacked.expert_matmul)
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
@@ -137,11 +124,10 @@ def experts_pallas(x_TD, weights_TX, experts_TX, w_gate_EDF, w_up_EDF, w_down_EF
     """Dropless sorted path with the Pallas grouped-matmul kernel (same result as `experts_dense`);
     interpreted unless the target platform (None = jax.default_backend()) is TPU."""
     E = w_gate_EDF.shape[0]
-    interpret = target_platform(platform) != "tpu"
 
     def swiglu(x_sorted, flat_experts):
         group_sizes = jnp.bincount(flat_experts, length=E).astype(jnp.int32)
-        return swiglu_experts_gmm(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, interpret=interpret)
+        return kernels.experts_gmm(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, platform)
     return _sorted_experts(x_TD, weights_TX, experts_TX, swiglu)
 
 
@@ -168,7 +154,7 @@ class MoE(nn.Module):
         wd = param(self, "down_proj", (E, F, D), ("expert", "mlp", "embed"), self.dtype)
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        impl = resolve_impl(self.impl, self.platform)
+        impl = kernels.expert_impl(self.impl, self.platform)
         fn = {"ragged": experts_ragged, "tiled": experts_tiled,
               "pallas": functools.partial(experts_pallas, platform=self.platform), "dense": experts_dense}[impl]
         multi_device = self.mesh is not None and self.mesh.size > 1

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax import kernels
 from dinfer_jax.models import quant
 
 # At most this many weight elements per in-place column tile (1 MiB of fp32: an L2-sized piece).
@@ -131,8 +132,7 @@ def expert_matmul(rows, w, e):
 def reads_in_place(platform: str | None, mesh) -> bool:
     """Whether layer weights are read from the stack in place: one CPU device (the compile
     target, None = jax.default_backend())."""
-    from pallas_kernels.attention import target_platform
-    return target_platform(platform) == "cpu" and (mesh is None or mesh.size == 1)
+    return kernels.reads_layers_in_place(platform, mesh)
 
 
 def _is_matmul_weight(path) -> bool:

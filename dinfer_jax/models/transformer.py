@@ -75,7 +75,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
-    attention_impl: str = "auto"  # "auto" | "xla" | "pallas" | "reference" (pallas_kernels.attention)
+    attention_impl: str = "auto"  # kernels.ATTENTION_IMPLS
     mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with models.placement.param_shardings)
     attention_block: int = 0  # block-causal models: attention block size (0: cfg.block_size)
     platform: str | None = None  # compile target: "cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None = jax.default_backend()
