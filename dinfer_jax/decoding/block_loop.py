@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.cache import empty_cache, per_row, window_slice, window_write
+from dinfer_jax.cache import empty_cache, window_slice, window_write
 from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.observe import emit
 from dinfer_jax.decoding.loop_state import BlockLoopState, IndelState
@@ -333,20 +333,25 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
 
         def forward(ws, size, logits_at, n_logits, persist):
             write = None if not sh else jnp.broadcast_to(jnp.arange(size) >= sh, (B, size))
+            in_place = {}
+            if persist is not None:
+                # The commit window persists (its previous block is clean, so those K/V are final);
+                # with the sub-block DualCache the whole-block window persists too (the block cache).
+                # Only the persisting rows' logits of such a forward are used, so the other rows
+                # may attend over their cached window K/V: the persisting rows' fresh K/V are written
+                # into the carried cache layer by layer (kv_in_place), with no second stacked cache.
+                keep = jnp.broadcast_to(persist[:, None], (B, size))
+                in_place = dict(kv_write_BS=keep if write is None else keep & write, kv_in_place=True)
 
             def run(kv_in):
                 with jax.named_scope("forward_block"):
                     logits, kv_new = module.apply(
                         {"params": params}, tokens_BS=window_slice(x, ws, size),
                         positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL, kv=kv_in,
-                        window_start=ws, kv_write_BS=write, key_positions_BL=positions_BL,
-                        logits_window=(jnp.full((B,), logits_at, jnp.int32), n_logits))
-                if persist is None:
-                    return logits, kv_in
-                # The commit window persists (its previous block is clean, so those K/V are final);
-                # with the sub-block DualCache the whole-block window persists too (the block cache).
-                return logits, tuple(jnp.where(per_row(persist), a, b)
-                                     for a, b in zip(kv_new, kv_in))
+                        window_start=ws, key_positions_BL=positions_BL,
+                        logits_window=(jnp.full((B,), logits_at, jnp.int32), n_logits),
+                        **({"kv_write_BS": write} | in_place))
+                return logits, (kv_in if persist is None else kv_new)
             return run
 
         def skip(kv_in):
