@@ -423,7 +423,8 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     attention block (projections, qk-norm, RoPE, cache write, core), attention core alone, MoE / MLP
     (router, sort, experts, combine), the expert grouped matmuls alone (MoE), final norm + LM head."""
     from dinfer_jax.models.layers import MLP, Attention, rms_normalize
-    from dinfer_jax.models.moe import MoE, resolve_impl, route
+    from dinfer_jax.kernels import expert_impl
+    from dinfer_jax.models.moe import MoE, route
     from dinfer_jax.kernels import attention
     q, L, g = window_shapes(kind, prompt_len, gen_len, block, prefix_look, after_look)[0]
     c = cfg
@@ -448,7 +449,7 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
         moe = MoE(c, moe_impl, dtype)
         fm = jax.jit(lambda p, x: moe.apply({"params": p}, x))
         out["moe layer"] = median_time(lambda: fm(layer0["mlp"], x), repeats)
-        impl = resolve_impl(moe_impl)
+        impl = expert_impl(moe_impl)
         if impl in ("tiled", "ragged"):
             from pallas_kernels.moe import swiglu_experts_tiled
             E, X = c.num_experts, c.num_experts_per_tok

@@ -114,3 +114,12 @@ def test_decoding_loops_have_no_circle():
     assert "dinfer_jax.decoding.loop" not in edges["dinfer_jax.decoding.block_loop"]
     assert "dinfer_jax.engine" not in edges["dinfer_jax.decoding.segments"]  # rows.py holds the host side
     assert not any(c & {"dinfer_jax.decoding.loop", "dinfer_jax.decoding.block_loop"} for c in circles(edges))
+
+
+@pytest.mark.smoke
+def test_every_module_folder_is_a_package():
+    """setup.cfg's `packages = find:` ships only folders with an __init__.py: a folder of modules
+    without one works from a checkout (a namespace package) but is missing from a wheel."""
+    missing = sorted({os.path.relpath(os.path.dirname(p), ROOT) for p in modules().values()
+                      if not os.path.exists(os.path.join(os.path.dirname(p), "__init__.py"))})
+    assert not missing, f"folders of modules without __init__.py: {missing}"

@@ -54,7 +54,7 @@ class CanvasLoopState:
     soft: Optional[Array] = None
 
     def stats(self) -> dict[str, Array]:
-        """The counters a finished or paused loop reports (GenerationResult.stats)."""
+        """The counters a finished or paused loop reports (generate_loop's stats; GenerationResult's counters)."""
         return dict(nfe_full=self.nfe_full, nfe_window=self.nfe_window, iters=self.iters, row_nfe=self.row_nfe,
                     steps_per_block=self.steps_per_block, done=self.done, nfe_partial=self.nfe_partial)
 

@@ -18,7 +18,7 @@ from dinfer_jax.decoding.row_state import record_region
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.sharding import to_host
 
-def abstract_state(state: dict | None):
+def abstract_state(state):
     """The shapes and dtypes of a loop state, with the shardings of committed (mesh-placed) leaves
     (None stays None): what a row mover compiles for. An uncommitted leaf (one device) stays
     unplaced, so the mover's outputs stay uncommitted like every other state's and the segment

@@ -23,7 +23,7 @@ from dinfer_jax.engine import InvalidParam, SamplingParams
 from dinfer_jax.serving_metrics import RequestObservation, ServingMetrics, blocks_at_cap
 from dinfer_jax.stop_strings import find_stop, held_back, ids_through
 
-log = logging.getLogger("dinfer_jax.serving")
+log = logging.getLogger("dinfer_jax.server")  # the name before serving/ existed (users filter by it)
 
 
 class QueueFull(Exception):
@@ -77,7 +77,7 @@ class ServerConfig:
     batch_wait_s: float = 0.005
     scheduler: str = "continuous"  # continuous (serving/continuous.py) | static (serving/static.py: whole batches)
     segment: int = 8  # continuous: loop iterations per segment (bench/segment_cost.py)
-    repack: bool = True  # continuous: draining batches' rows move into smaller batches (continuous._repack)
+    repack: bool = True  # continuous: draining batches' rows move into smaller batches (ContinuousBatcher._repack)
     max_steps: int = 1024  # largest `steps` a request may ask (fixed / random strategies)
     max_post_steps: int = 64  # largest `max_post_steps` (block diffusion with editing)
     request_timeout_s: Optional[float] = 600.0  # None: no deadline
