@@ -455,7 +455,7 @@ class Generator:
         self._programs = ProgramCache(max_programs, on_evict=self._forget_warm)
         self._movers = ProgramCache(max_programs, on_evict=lambda key: self._movers_warm.discard(key))
         self._movers_warm: set = set()  # row movers compiled ahead (warm_move_program)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.set_prefix_cache(prefix_cache_bytes)
 
     def set_prefix_cache(self, nbytes: int):
         """A fresh prompt prefix cache of `nbytes` (0: off) for the continuous batches built after."""

@@ -333,7 +333,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
 
         def forward(ws, size, logits_at, n_logits, persist):
             write = None if not sh else jnp.broadcast_to(jnp.arange(size) >= sh, (B, size))
-            in_place = {}
+            write_kw = {"kv_write_BS": write}
             if persist is not None:
                 # The commit window persists (its previous block is clean, so those K/V are final);
                 # with the sub-block DualCache the whole-block window persists too (the block cache).
@@ -341,7 +341,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                 # may attend over their cached window K/V: the persisting rows' fresh K/V are written
                 # into the carried cache layer by layer (kv_in_place), with no second stacked cache.
                 keep = jnp.broadcast_to(persist[:, None], (B, size))
-                in_place = dict(kv_write_BS=keep if write is None else keep & write, kv_in_place=True)
+                write_kw = {"kv_write_BS": keep if write is None else keep & write, "kv_in_place": True}
 
             def run(kv_in):
                 with jax.named_scope("forward_block"):
@@ -350,7 +350,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
                         positions_BS=window_slice(positions_BL, ws, size), key_mask_BL=key_mask_BL, kv=kv_in,
                         window_start=ws, key_positions_BL=positions_BL,
                         logits_window=(jnp.full((B,), logits_at, jnp.int32), n_logits),
-                        **({"kv_write_BS": write} | in_place))
+                        **write_kw)
                 return logits, (kv_in if persist is None else kv_new)
             return run
 
