@@ -10,6 +10,7 @@ import concurrent.futures
 import gc
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -316,8 +317,9 @@ def test_watchdog_answers_a_stuck_batch_and_the_server_recovers(scheduler):
 
 
 def test_a_new_length_compiles_without_delaying_warmed_lengths():
-    """Continuous scheduler, max_tokens 16 warmed: steady clients keep their latency while a request
-    of a new length (a new program) waits for its compile on the compile thread."""
+    """Continuous scheduler, max_tokens 16 warmed: while a request of a new length (a new program)
+    waits for its compile, the compile runs on the compile thread and steady clients go on being
+    answered inside the compile's window."""
     model, tok = demo()
     cfg = ServerConfig(model_name="demo", max_batch=4, warmup=True, warmup_max_tokens=(16,), default_max_tokens=16)
     with InProcessServer(model, tok, cfg) as s:
@@ -326,48 +328,55 @@ def test_a_new_length_compiles_without_delaying_warmed_lengths():
                 break
             time.sleep(0.1)
         steady = {"prompt": PROMPT, "max_tokens": 16}
-        base = []
         for _ in range(3):
-            t = time.perf_counter()
             assert httpx.post(f"{s.url}/v1/completions", json=steady, timeout=120).status_code == 200
-            base.append(time.perf_counter() - t)
         batcher = s.app.state.batcher
+        compiles = []  # (thread name, start, end) of each segment-program compile
+        real_warm = batcher.gen.warm_segment_programs
+
+        def recorded_warm(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real_warm(*a, **k)
+            finally:
+                compiles.append((threading.current_thread().name, t0, time.perf_counter()))
+        batcher.gen.warm_segment_programs = recorded_warm
         # Twice seen in full `-n 2` CI runs (never alone): the new length ran with no compile at all
         # (13 requests, 0 background compiles; cause not found). A second new length is tried then,
         # and both snapshots are printed if it happens again.
         tries = []
         for max_tokens in (40, 72):
-            compiles0 = batcher.snapshot()["background_compiles"]
-            lat, stop = [], []
+            compiles.clear()
+            answered, stop = [], []  # (start, end) of each steady request
 
             def client():
                 while not stop:
                     t = time.perf_counter()
                     r = httpx.post(f"{s.url}/v1/completions", json=steady, timeout=120)
                     assert r.status_code == 200
-                    lat.append(time.perf_counter() - t)
+                    answered.append((t, time.perf_counter()))
             with concurrent.futures.ThreadPoolExecutor(3) as ex:
                 clients = [ex.submit(client) for _ in range(2)]
                 time.sleep(0.5)
-                t = time.perf_counter()
                 r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "sort 5391=", "max_tokens": max_tokens,
                                                                   "block_length": 8}, timeout=300)
-                new_latency = time.perf_counter() - t
                 stop.append(1)
                 for c in clients:
                     c.result()
             assert r.status_code == 200
-            tries.append((max_tokens, compiles0, json.dumps(batcher.snapshot())))
-            if batcher.snapshot()["background_compiles"] > compiles0:  # it compiled something new
+            tries.append((max_tokens, json.dumps(batcher.snapshot())))
+            if compiles:  # it compiled something new
                 break
         else:
             raise AssertionError(f"no new program was compiled: {tries}")
-        during = lat[2:]  # requests that ran while the new program compiled
-        assert len(during) >= 3, (lat, new_latency)
-        # A scheduler blocked by the compile holds one steady request for about the whole compile
-        # (~0.95 x new_latency: the new request's own run is short). A free one keeps them near `base`;
-        # on a loaded 2-core CI machine the compile thread still starves one of them for up to ~0.7 x.
-        assert max(during) < max(0.8 * new_latency, 4 * max(base)), (base, lat, new_latency)
+        assert all(name.startswith("dinfer-compile") for name, _, _ in compiles), compiles
+        name, c0, c1 = max(compiles, key=lambda c: c[2] - c[1])
+        inside = [a for a in answered if c0 <= a[0] and a[1] <= c1]
+        # A scheduler blocked by the compile answers no steady request that starts and ends inside it.
+        # (Their latency is not bounded here: XLA:CPU compiles and runs programs on the same few cores,
+        # so on a loaded 2-core machine one run can wait most of a compile; the scheduler still
+        # dispatches: every request inside the window was scheduled while the compile ran.)
+        assert len(inside) >= 3, (c1 - c0, answered)
 
 
 def test_no_unretrieved_exceptions_on_cancel_and_shutdown():
