@@ -151,7 +151,7 @@ def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix
     """The continuous-batching programs for `batch` slots of prompts up to `prompt_len` tokens:
     {name: (jitted fn, abstract args, static args)} for "init", "segment" and, for block diffusion
     with prefix_width, "init_prefix" (decoding/segments.py)."""
-    from dinfer_jax.decoding.loop import ROW_KNOBS
+    from dinfer_jax.decoding.spec import ROW_KNOBS
     cfg = model.config
     spec = sampling.spec_for(cfg)
     shape = model.generator.program_shape(batch, prompt_len, spec)  # the generate program's canvas layout

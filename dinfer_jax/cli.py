@@ -24,7 +24,7 @@
   demo models (checkpoint.MODEL_ALIASES).
 
 Errors caused by the user's input print one line `dinfer-jax: error: ...` and exit 2 (a bad
-decoding setting names its flag; the rules themselves live in engine.SamplingParams); Ctrl-C
+decoding setting names its flag; the rules themselves live in decoding/spec.py); Ctrl-C
 prints one line and exits 130.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ import time
 import warnings
 
 from dinfer_jax.decoding.rows import ids_until_stop
+from dinfer_jax.decoding.spec import (BLOCK_GROUP, BOOL, CACHES, CHOICE, EDIT_MODES, GENERAL, GROUP_TITLES, INT,
+                                      SETTINGS, STRATEGIES, InvalidParam, flag_name)
 
 DTYPES = ("bfloat16", "float16", "float32")
 MODEL_HELP = ("dinfer-jax checkpoint or HF folder, or 'demo' / 'demo-block' (the built-in demo models; "
@@ -258,28 +260,27 @@ def _prompt_ids(a, tok, model_dir: str) -> list[int]:
     return a.prompt_ids
 
 
-# Decoding flags whose value (when given) is a SamplingParams field of the same name; store_true
-# flags count only when set. --no-early-stop is early_stop=False.
-_VALUE_FLAGS = ("strategy", "cache", "steps", "threshold", "low_threshold", "factor", "temperature", "seed",
-                "min_tokens", "alg", "alg_temp", "eps", "editing_threshold", "max_post_steps", "num_to_transfer",
-                "top_k", "top_p", "sub_block_length", "eb_threshold")
-_SWITCH_FLAGS = ("smoothing", "ignore_eos", "indel", "confidence_before_filter", "sub_block_cache")
+# The decoding flags: the SamplingParams fields that decoding/spec.SETTINGS marks `cli`.
+_DECODING_FLAGS = tuple(n for n, s in SETTINGS.items() if s.cli)
 
 
 def _explicit_flags(a) -> dict:
     """The decoding settings the user gave on the command line: the --edit-mode preset
-    (engine.EDIT_MODES), then every explicit flag over it. Nothing else: the rest are the model's
+    (decoding/spec.EDIT_MODES), then every explicit flag over it. Nothing else: the rest are the model's
     defaults (SamplingParams.for_model)."""
-    from dinfer_jax.engine import EDIT_MODES
     out = dict(EDIT_MODES[a.edit_mode]) if getattr(a, "edit_mode", None) else {}
-    out.update({n: getattr(a, n) for n in _VALUE_FLAGS if getattr(a, n, None) is not None})
-    out.update({n: True for n in _SWITCH_FLAGS if getattr(a, n, False)})
-    if getattr(a, "no_early_stop", False):
-        out["early_stop"] = False
-    for n in ("gen_length", "block_length"):
-        if getattr(a, n, None) is not None:
-            out[n] = getattr(a, n)
+    for n in _DECODING_FLAGS:
+        s, v = SETTINGS[n], getattr(a, _dest(n), None)
+        if s.kind == BOOL and v:
+            out[n] = s.cli_sets
+        elif s.kind != BOOL and v is not None:
+            out[n] = v
     return out
+
+
+def _dest(name: str) -> str:
+    """The argparse attribute of a decoding field's flag (--no-early-stop: no_early_stop)."""
+    return flag_name(name)[2:].replace("-", "_")
 
 
 def _model_defaults(model_dir: str, **overrides):
@@ -336,10 +337,9 @@ def _generate_diffusion_gemma(a, model_dir: str):
     from dinfer_jax.families import diffusion_gemma as dgf
     from dinfer_jax.families import read_generation_config
     from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
-    given = [n for n in _VALUE_FLAGS + _SWITCH_FLAGS + ("block_length", "edit_mode", "prompts_file", "show_canvas",
-                                                        "suffix", "infill", "json_schema", "json_object", "regex",
-                                                        "choice", "span", "no_early_stop")
-             if n not in ("steps", "seed") and getattr(a, n, None) not in (None, False)]
+    given = [n for n in tuple(_dest(n) for n in _DECODING_FLAGS if n != "gen_length") + (
+                 "edit_mode", "prompts_file", "show_canvas", "suffix", "infill", "json_schema", "json_object", "regex",
+                 "choice", "span") if n not in ("steps", "seed") and getattr(a, n, None) not in (None, False)]
     if given:
         raise ValueError(f"{model_dir} is a DiffusionGemma model (uniform-noise diffusion, one prompt): "
                          f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply; it takes --gen-length "
@@ -842,73 +842,31 @@ def _int_list(text):
     return vals
 
 
-STRATEGIES = ("fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream", "sequential", "entropy_bounded")
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-CACHES = ("none", "prefix", "dual", "vicinity", "block")
-
-
 def _add_decoding_flags(p, with_lengths: bool = True):
-    """The decoding settings. Unset flags take the model's defaults (SamplingParams.for_model: its
-    family's, then its folder's generation_config.json; `dinfer-jax info DIR` prints them)."""
-    if with_lengths:
-        p.add_argument("--gen-length", type=_positive, default=None,
-                       help="tokens to generate (default: the model's, else 128)")
-        p.add_argument("--block-length", type=_positive, default=None,
-                       help="block size (default: the model's: LLaDA2 / SDAR / Fast-dLLM v2 their attention block, "
-                            "else 64; at most gen-length)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="which masked tokens to decode each step (default: the model's: threshold; Dream: dream; "
-                        "sequential / entropy_bounded: SDAR's, with --cache block)")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="threshold strategies: confidence tau (default: the --edit-mode preset's, else the model's: "
-                        "0.9; LLaDA2 0.95, SDAR 0.85)")
-    p.add_argument("--low-threshold", type=float, default=None, help="hierarchy: per-run threshold (default 0.4)")
-    p.add_argument("--factor", type=float, default=None, help="factor strategy's f (default 1.0)")
-    p.add_argument("--steps", type=_positive, default=None,
-                   help="fixed/random: total steps (default gen-length); --cache block: steps per block "
-                        "(LLaDA2.0's schedule; LLaDA2 default 32, SDAR 4)")
-    p.add_argument("--cache", choices=CACHES, default=None,
-                   help="KV cache policy (default: the model's: dual; Dream none; LLaDA2 / SDAR / Fast-dLLM v2 block)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy; > 0 samples (Gumbel-max) (default: the model's, 0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
-    p.add_argument("--smoothing", action="store_true", help="iteration smoothing (soft mask embeddings)")
-    p.add_argument("--no-early-stop", action="store_true", help="keep decoding blocks after EOS")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="decode all gen-length tokens: the EOS logit is -inf, so EOS is never chosen")
-    p.add_argument("--min-tokens", type=int, default=None, help="EOS is forbidden in the first N generated tokens")
-    dr = p.add_argument_group("Dream's sampler (--strategy dream; Dream-7B / DiffuCoder)")
-    dr.add_argument("--alg", choices=DREAM_ALGS, default=None,
-                    help="origin | maskgit_plus | topk_margin | entropy (default: the model's, else origin)")
-    dr.add_argument("--alg-temp", type=float, default=None,
-                    help="> 0: draw the positions to decode from softmax(confidence / alg-temp) (default 0)")
-    dr.add_argument("--eps", type=float, default=None, help="schedule t = linspace(1, eps, steps + 1) (default 1e-3)")
-    b = p.add_argument_group("block diffusion (--cache block; LLaDA2.x); --top-k / --top-p also for --strategy dream")
-    b.add_argument("--edit-mode", choices=("quality", "speed"), default=None,
-                   help="LLaDA2.1 preset: quality = threshold 0.7, editing 0.5; speed = threshold 0.5, editing 0.0 "
-                        "(max-post-steps 16); explicit flags override it")
-    b.add_argument("--editing-threshold", type=float, default=None,
-                   help="LLaDA2.1 token-to-token edits above this probability (default: the folder's "
-                        "generation_config.json, else no editing)")
-    b.add_argument("--max-post-steps", type=int, default=None, help="edit forwards per block after its masks are gone (16)")
-    b.add_argument("--num-to-transfer", type=int, default=None, help="masks committed per step at least (1)")
-    b.add_argument("--sub-block-length", type=int, default=None,
-                   help="Fast-dLLM v2: decode each block in sub-blocks of this many positions, left to right (0: off)")
-    b.add_argument("--sub-block-cache", action="store_true",
-                   help="Fast-dLLM v2's sub-block DualCache (use_block_cache=True; needs --sub-block-length): "
-                        "whole-block forwards only when a sub-block is entered, sub-block forwards over a block "
-                        "cache (stale K/V: approximate) otherwise")
-    b.add_argument("--top-k", type=int, default=None, help="with --temperature > 0: keep the k most probable tokens")
-    b.add_argument("--top-p", type=float, default=None, help="with --temperature > 0: nucleus sampling")
-    b.add_argument("--indel", action="store_true",
-                   help="LLaDA2.2 insert/delete editing (SGLang JointThresholdInDel; greedy; SGLang's defaults: "
-                        "--edit-mode speed)")
-    b.add_argument("--eb-threshold", type=float, default=None,
-                   help="--strategy entropy_bounded: commit masks by increasing entropy while their summed "
-                        "entropy (nats) stays below this (SDAR's eb_threshold; default 0.35)")
-    b.add_argument("--confidence-before-filter", action="store_true",
-                   help="with --temperature > 0: a token's confidence is its probability under the tempered "
-                        "softmax before --top-k/--top-p (SDAR's evaluation sampler); default: after")
+    """The decoding settings, one flag per field that decoding/spec.SETTINGS marks `cli` (its help,
+    choices and kind), plus --edit-mode. Unset flags take the model's defaults (SamplingParams.for_model:
+    its family's, then its folder's generation_config.json; `dinfer-jax info DIR` prints them)."""
+    groups = {GENERAL: p}
+    for name in _DECODING_FLAGS:
+        s = SETTINGS[name]
+        if name in ("gen_length", "block_length") and not with_lengths:
+            continue
+        if s.group not in groups:
+            groups[s.group] = p.add_argument_group(GROUP_TITLES[s.group])
+            if s.group == BLOCK_GROUP:
+                groups[s.group].add_argument(
+                    "--edit-mode", choices=tuple(EDIT_MODES), default=None,
+                    help="LLaDA2.1 preset: quality = threshold 0.7, editing 0.5; speed = threshold 0.5, editing 0.0 "
+                         "(max-post-steps 16); explicit flags override it")
+        if s.kind == BOOL:
+            kw = dict(action="store_true")
+        elif s.kind == CHOICE:
+            kw = dict(choices=s.choices, default=None)
+        elif s.kind == INT:
+            kw = dict(type=_positive if s.low == 1 else int, default=None)
+        else:
+            kw = dict(type=float, default=None)
+        groups[s.group].add_argument(flag_name(name), help=s.help, **kw)
 
 
 def _add_scale_flags(p):
@@ -1249,9 +1207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _message(e: Exception) -> str:
     """One line for the user: a bad setting names its flag; an OSError its file."""
-    from dinfer_jax.engine import InvalidParam
     if isinstance(e, InvalidParam):
-        return f"--{e.field.replace('_', '-')}: {e}"
+        return f"{flag_name(e.field)}: {e}"
     if isinstance(e, OSError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
     return " ".join(str(e).split())

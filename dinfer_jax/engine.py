@@ -4,8 +4,6 @@ and a cache of compiled generation programs (one per static spec x bucket).
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import os
 import time
 import warnings
@@ -20,107 +18,14 @@ from dinfer_jax.canvas_template import CanvasTemplate, template_classes, templat
 from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.prefix_cache import PrefixCache
-from dinfer_jax.decoding.loop import (CACHES, KNOBS, LOGPROB_BUCKETS, ROW_KNOBS, DecodeSpec, bucket_gen_length,
-                                      generate_loop, joins_program, logprob_bucket, program_spec, refresh_rows_for,
-                                      same_program)
+from dinfer_jax.decoding.loop import generate_loop, refresh_rows_for
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
-from dinfer_jax.decoding.strategies import BLOCK_ONLY, BLOCK_STRATEGIES, DREAM, DREAM_ALGS, FIXED, SCHEDULED, STRATEGIES
+from dinfer_jax.decoding.spec import (DREAM, EB_THRESHOLD, KNOBS, ROW_KNOBS, SCHEDULED,
+                                      SETTINGS, DecodeSpec, InvalidParam, check_field, check_model, check_rules,
+                                      logprob_bucket, program_spec)
+
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
-
-
-class InvalidParam(ValueError):
-    """A bad decoding setting or prompt; `.field` names it (the CLI maps it to a flag, the server
-    answers 400 with it as `param`)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-# Every per-field rule of SamplingParams: field -> (kind, low, low inclusive, high, high inclusive).
-# Upper bounds keep the loop's arithmetic finite in fp32 / bf16 (docs/decoding_bounds.md): a knob
-# travels as an fp32 per-row value (integers exact below 2**24); logits / T and T * Gumbel noise stay
-# below 1e7 for |logits| <= 1e4 when T is 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE].
-_INT, _FLOAT, _BOOL = "int", "float", "bool"
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
-_KNOB_INT_MAX = 2**24  # largest integer an fp32 knob holds exactly
-MAX_LOGPROBS = max(LOGPROB_BUCKETS)  # top alternatives a request may ask (OpenAI's limit, 20)
-_LARGE = 1e6  # bound of the unbounded-above float knobs (their rules saturate far below it)
-_RULES = {
-    "gen_length": (_INT, 1, True, _KNOB_INT_MAX, True),
-    "block_length": (_INT, 1, True, _KNOB_INT_MAX, True),
-    "steps": (_INT, 1, True, _KNOB_INT_MAX, True),  # or None
-    "refresh_every": (_INT, 0, True, None, False),
-    "prefix_look": (_INT, 0, True, None, False),
-    "after_look": (_INT, 0, True, None, False),
-    "warmup_steps": (_INT, 0, True, None, False),
-    "seed": (_INT, 0, True, 2**32, False),
-    "threshold": (_FLOAT, 0.0, False, 1.0, True),
-    "low_threshold": (_FLOAT, 0.0, False, 1.0, True),
-    "factor": (_FLOAT, 0.0, False, _LARGE, True),
-    "temperature": (_FLOAT, 0.0, True, MAX_TEMPERATURE, True),
-    "cont_weight": (_FLOAT, 0.0, True, 1.0, True),
-    "credit_alpha": (_FLOAT, 0.0, True, _LARGE, True),
-    "credit_gamma": (_FLOAT, 0.0, True, _LARGE, True),
-    "credit_beta": (_FLOAT, 0.0, True, 1.0, True),
-    "smoothing": (_BOOL,), "early_stop": (_BOOL,), "start_block_align": (_BOOL,), "indel": (_BOOL,),
-    "editing_threshold": (_FLOAT, 0.0, True, 1.0, True),  # or None
-    "max_post_steps": (_INT, 0, True, 1024, True),
-    "num_to_transfer": (_INT, 1, True, _KNOB_INT_MAX, True),
-    "top_k": (_INT, 0, True, _KNOB_INT_MAX, True),
-    "top_p": (_FLOAT, 0.0, False, 1.0, True),
-    "ignore_eos": (_BOOL,),
-    "confidence_before_filter": (_BOOL,),
-    "min_tokens": (_INT, 0, True, _KNOB_INT_MAX, True),
-    "alg_temp": (_FLOAT, 0.0, True, MAX_TEMPERATURE, True),
-    "eps": (_FLOAT, 0.0, True, 1.0, False),
-    "sub_block_length": (_INT, 0, True, None, False),
-    "eb_threshold": (_FLOAT, 0.0, False, _LARGE, True),
-    "sub_block_cache": (_BOOL,),
-    "logprobs": (_INT, 0, True, MAX_LOGPROBS, True),  # or None
-}
-EB_THRESHOLD = 0.35  # SDAR generate.py's --eb_threshold default
-
-
-def _range_text(lo, lo_in, hi, hi_in) -> str:
-    if hi is None:
-        return f"{'>=' if lo_in else '>'} {lo}"
-    if lo == 0 and hi == 2**32:
-        return "in [0, 2**32)"
-    def num(x):
-        return f"{x:g}" if isinstance(x, float) and abs(x) >= 1e5 else f"{x}"
-    return f"in {'[' if lo_in else '('}{num(lo)}, {num(hi)}{']' if hi_in else ')'}"
-
-
-def _check_field(name: str, v):
-    """The value of one field, normalised (python int / float / bool), or InvalidParam."""
-    kind = _RULES[name][0]
-    if kind == _BOOL:
-        if not isinstance(v, (bool, np.bool_)):
-            raise InvalidParam(name, f"{name}={v!r} must be true or false")
-        return bool(v)
-    _, lo, lo_in, hi, hi_in = _RULES[name]
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or (
-            kind == _INT and not isinstance(v, numbers.Integral)):
-        what = "an integer" if kind == _INT else "a number"
-        raise InvalidParam(name, f"{name}={v!r} must be {what} {_range_text(lo, lo_in, hi, hi_in)}")
-    v = int(v) if kind == _INT else float(v)
-    ok = math.isfinite(v) and (v >= lo if lo_in else v > lo) and (hi is None or (v <= hi if hi_in else v < hi))
-    if not ok:
-        raise InvalidParam(name, f"{name}={v!r} must be {_range_text(lo, lo_in, hi, hi_in)}")
-    if name in ("temperature", "alg_temp") and 0 < v < MIN_TEMPERATURE:
-        raise InvalidParam(name, f"{name}={v!r} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]: "
-                                 f"a smaller one overflows logits / {name} in fp32")
-    return v
-
-
-# LLaDA2.1's published decoding presets (reference §6: HF model card / diffusers docs): block 32,
-# temperature 0; "quality" (Q mode) and "speed" (S mode). Use with cache="block".
-EDIT_MODES = {
-    "quality": dict(threshold=0.7, editing_threshold=0.5, max_post_steps=16),
-    "speed": dict(threshold=0.5, editing_threshold=0.0, max_post_steps=16),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,102 +113,14 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
-        """Every per-field rule (types, ranges, finiteness) is checked here, at construction, for
-        the CLI, the library and the server alike; rules between fields are checked by `spec`."""
-        if not isinstance(self.strategy, str) or self.strategy not in STRATEGIES:
-            raise InvalidParam("strategy", f"strategy={self.strategy!r} is not one of {STRATEGIES}")
-        if not isinstance(self.cache, str) or self.cache not in CACHES:
-            raise InvalidParam("cache", f"cache={self.cache!r} is not one of {CACHES}")
-        if self.alg is not None and (not isinstance(self.alg, str) or self.alg not in DREAM_ALGS):
-            raise InvalidParam("alg", f"alg={self.alg!r} is not one of {DREAM_ALGS} (Dream's sampler)")
-        for name in _RULES:
-            v = getattr(self, name)
-            if name in ("steps", "editing_threshold", "logprobs") and v is None:
-                continue
-            object.__setattr__(self, name, _check_field(name, v))
+        """Every per-field rule (decoding/spec.SETTINGS: types, ranges, finiteness) is checked here, at
+        construction, for the CLI, the library and the server alike; rules between fields by `validate`."""
+        for name in SETTINGS:
+            object.__setattr__(self, name, check_field(name, getattr(self, name)))
 
     def validate(self) -> "SamplingParams":
-        """The rules between fields (the per-field ones ran at construction); returns self."""
-        if self.gen_length % self.block_length:
-            raise InvalidParam("gen_length", f"gen_length={self.gen_length} must be a positive multiple of "
-                                             f"block_length={self.block_length}")
-        if self.strategy in SCHEDULED:
-            nb = self.gen_length // self.block_length
-            steps = self.gen_length if self.steps is None else self.steps
-            if steps % nb:
-                raise InvalidParam("steps", f"steps={steps} must be a positive multiple of the number of blocks ({nb})")
-        if self.min_tokens > self.gen_length:
-            raise InvalidParam("min_tokens", f"min_tokens={self.min_tokens} exceeds gen_length={self.gen_length}")
-        if self.smoothing and self.cache == "prefix":
-            raise InvalidParam("smoothing", "iteration smoothing with the prefix cache is not supported "
-                                            "(use none, dual or vicinity)")
-        if self.eb_threshold != EB_THRESHOLD and self.strategy != "entropy_bounded":
-            raise InvalidParam("eb_threshold", f"eb_threshold={self.eb_threshold} applies to strategy "
-                                               f"'entropy_bounded' only, not strategy {self.strategy!r}")
-        if self.cache == "block":
-            if self.strategy not in BLOCK_STRATEGIES:
-                raise InvalidParam("strategy", f"cache='block' (block diffusion) decodes with strategy 'threshold' "
-                                               f"(LLaDA2's rule), 'sequential' or 'entropy_bounded' (SDAR's), not "
-                                               f"{self.strategy!r}")
-            if self.strategy in BLOCK_ONLY:
-                for name, off in (("editing_threshold", None), ("indel", False), ("sub_block_length", 0)):
-                    if getattr(self, name) != off:
-                        raise InvalidParam(name, f"{name}={getattr(self, name)!r} does not combine with strategy "
-                                                 f"{self.strategy!r} (SDAR's remasking has no token editing or "
-                                                 f"sub-blocks)")
-            for name in ("smoothing", "start_block_align", "refresh_every"):
-                if getattr(self, name):
-                    raise InvalidParam(name, f"cache='block' takes no {name}")
-            if self.steps is not None and self.editing_threshold is not None:
-                raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
-                                            "editing (LLaDA2.1 has no schedule; use num_to_transfer)")
-            if self.indel and self.steps is not None:
-                raise InvalidParam("steps", "steps (LLaDA2.0's per-block transfer schedule) does not combine with "
-                                            "indel (SGLang's rule transfers 1 + #inserted masks; use num_to_transfer)")
-            if self.sub_block_length:
-                if self.block_length % self.sub_block_length:
-                    raise InvalidParam("sub_block_length", f"sub_block_length={self.sub_block_length} must divide "
-                                                           f"block_length={self.block_length}")
-                for name, off in (("steps", None), ("editing_threshold", None), ("indel", False)):
-                    if getattr(self, name) != off:
-                        raise InvalidParam(name, f"{name}={getattr(self, name)!r} does not combine with "
-                                                 f"sub_block_length (Fast-dLLM v2's sub-block threshold rule)")
-            elif self.sub_block_cache:
-                raise InvalidParam("sub_block_cache", "sub_block_cache (Fast-dLLM v2's sub-block DualCache) needs "
-                                                      "sub_block_length > 0: the sub-blocks whose forwards it shortens")
-            if self.indel and self.logprobs is not None:
-                raise InvalidParam("logprobs", "logprobs does not combine with indel (LLaDA2.2 insert/delete "
-                                               "editing moves tokens between slots after they are committed)")
-            if self.indel and self.temperature > 0:
-                raise InvalidParam("temperature", f"indel (LLaDA2.2 insert/delete editing) decodes greedily "
-                                                  f"(SGLang's JointThresholdInDel): temperature must be 0, "
-                                                  f"not {self.temperature}")
-        else:
-            if self.strategy in BLOCK_ONLY:
-                raise InvalidParam("strategy", f"strategy {self.strategy!r} (SDAR's remasking) applies to block "
-                                               f"diffusion only (cache='block'), not cache={self.cache!r}")
-            if self.sub_block_length:
-                raise InvalidParam("sub_block_length", f"sub_block_length={self.sub_block_length} applies to block "
-                                                       f"diffusion only (cache='block'), not cache={self.cache!r}")
-            if self.sub_block_cache:
-                raise InvalidParam("sub_block_cache", f"sub_block_cache (Fast-dLLM v2's sub-block DualCache) applies "
-                                                      f"to block diffusion with sub_block_length (cache='block'), not "
-                                                      f"cache={self.cache!r}")
-            if self.indel:
-                raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) applies to block diffusion "
-                                            f"only (cache='block'), not cache={self.cache!r}")
-            sampling = (("top_k", 0), ("top_p", 1.0)) if self.strategy != DREAM else ()
-            for name, off in (("editing_threshold", None), ("num_to_transfer", 1),
-                              ("confidence_before_filter", False)) + sampling:
-                if getattr(self, name) != off:
-                    also = " or strategy 'dream'" if name in ("top_k", "top_p") else ""
-                    raise InvalidParam(name, f"{name}={getattr(self, name)} applies to block diffusion only "
-                                             f"(cache='block'; LLaDA2's decoder){also}, not cache={self.cache!r}")
-        if self.strategy != DREAM:
-            for name, off in (("alg", None), ("alg_temp", 0.0), ("eps", 1e-3)):
-                if getattr(self, name) != off:
-                    raise InvalidParam(name, f"{name}={getattr(self, name)!r} applies to strategy 'dream' (Dream's "
-                                             f"sampler) only, not strategy {self.strategy!r}")
+        """The rules between fields (decoding/spec.RULES); returns self."""
+        check_rules(self)
         return self
 
     @classmethod
@@ -784,20 +601,6 @@ def constrained_spec(spec: DecodeSpec, n_classes: int) -> DecodeSpec:
         return dataclasses.replace(spec, constraint_classes=n_classes)
     except ValueError as e:
         raise InvalidParam("indel" if spec.indel else "templates", str(e)) from None
-
-
-def check_model(spec: DecodeSpec, cfg) -> DecodeSpec:
-    """spec, or InvalidParam when the model cannot decode it: block diffusion needs block-causal
-    attention; indel needs the model's DELETE / SPLIT token ids."""
-    if spec.cache == "block" and cfg.attention_mask != "block_causal":
-        raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
-                                    f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
-                                    f"dual or vicinity)")
-    if spec.indel and not {"delete_token_id", "split_token_id"} <= dict(cfg.extra_token_ids).keys():
-        raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) needs a model whose config declares "
-                                    f"delete_token_id and split_token_id; this {cfg.family} model declares "
-                                    f"{dict(cfg.extra_token_ids) or 'none'}")
-    return spec
 
 
 class FamilyWarning(UserWarning):

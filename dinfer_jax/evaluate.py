@@ -13,9 +13,8 @@ import time
 
 import numpy as np
 
-from dinfer_jax.decoding.loop import CACHES
-from dinfer_jax.decoding.strategies import STRATEGIES
-from dinfer_jax.engine import EDIT_MODES, InvalidParam, SamplingParams, generate
+from dinfer_jax.decoding.spec import CACHES, EDIT_MODES, STRATEGIES, InvalidParam
+from dinfer_jax.engine import SamplingParams, generate
 
 # Per-strategy settings used in the tables (dInfer / Fast-dLLM defaults, docs/facts/decoding.md).
 STRATEGY_SETTINGS = {
@@ -60,7 +59,7 @@ def parse_strategies(text):
 
 
 def model_caches(cfg) -> list[str]:
-    """The caches of CACHES a model can decode with, as engine.check_model decides from its config
+    """The caches of CACHES a model can decode with, as decoding/spec.check_model decides from its config
     (block diffusion only on a block-causal model)."""
     out = []
     for cache in CACHES:

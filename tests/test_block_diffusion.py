@@ -174,7 +174,7 @@ def test_block_knobs_through_cli_and_server_names(tmp_path):
     import argparse
 
     from dinfer_jax import cli
-    from dinfer_jax.engine import EDIT_MODES, InvalidParam
+    from dinfer_jax.decoding.spec import EDIT_MODES, InvalidParam
     p = argparse.ArgumentParser()
     cli._add_decoding_flags(p)
     a = p.parse_args(["--cache", "block", "--edit-mode", "quality", "--max-post-steps", "4"])
@@ -302,7 +302,7 @@ def _indel_state(H, S, B=1):
 def test_indel_step_on_hand_built_logits():
     """Original masks never take the mask id; M2T takes 1 + #introduced masks; the cleanup writes no
     MASK/DELETE/SPLIT; the anti-loop re-picks the least confident change among untried tokens."""
-    from dinfer_jax.decoding.loop import DecodeSpec
+    from dinfer_jax.decoding.spec import DecodeSpec
     M, D, S, V = 9, 7, 8, 10
     spec = DecodeSpec(gen_length=8, block_length=4, cache="block", mask_id=M, eos_id=0, indel=True, max_post_steps=2)
     knobs = {"threshold": jnp.full(1, 0.9), "editing_threshold": jnp.full(1, 0.9), "num_to_transfer": jnp.ones(1)}

@@ -124,7 +124,7 @@ def test_a_new_programs_compile_never_stalls_running_rows():
     long = SamplingParams(gen_length=128, block_length=8, strategy="fixed", steps=128, cache="dual", early_stop=False)
     new = SamplingParams(gen_length=24, block_length=8, cache="dual", threshold=0.8)
     key_long = long.spec(model.config.mask_token_id, model.config.eos_id)
-    from dinfer_jax.engine import bucket_gen_length, program_spec
+    from dinfer_jax.decoding.spec import bucket_gen_length, program_spec
     key_job = new.spec(model.config.mask_token_id, model.config.eos_id)
     key_new = program_spec(key_job, bucket_gen_length(key_job))  # gen 24 joins a program of 32
     gate, seen = threading.Event(), []

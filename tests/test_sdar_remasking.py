@@ -229,7 +229,7 @@ def test_bad_combinations_name_the_field(kw, field, msg):
 
 @pytest.mark.smoke
 def test_decode_spec_refuses_them_off_the_block_loop():
-    from dinfer_jax.decoding.loop import DecodeSpec
+    from dinfer_jax.decoding.spec import DecodeSpec
     with pytest.raises(ValueError, match="strategy 'sequential' needs cache='block'"):
         DecodeSpec(gen_length=8, block_length=4, strategy="sequential", cache="dual")
     with pytest.raises(ValueError, match="does not combine with editing"):

@@ -5,7 +5,6 @@ each row advances through its own blocks. Cache "block" dispatches to block_loop
 refresh rules, shifted logits and the commit record: docs/internals/decoding_loops.md."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -19,157 +18,7 @@ from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.observe import emit
 from dinfer_jax.decoding.loop_state import CanvasLoopState
 from dinfer_jax.decoding.row_state import commit_record, commit_record_init, record_region, row_gen_end
-
-CACHES = ("none", "prefix", "dual", "vicinity", "block")  # "block": block diffusion (decoding/block_loop.py)
-LOGPROB_BUCKETS = (0, 5, 20)  # DecodeSpec.logprobs values: top-N alternatives recorded (a request's N rounds up)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSpec:
-    """Everything static about one compiled generation program (part of the jit cache key)."""
-    gen_length: int
-    block_length: int
-    strategy: str = "threshold"
-    steps_per_block: int = 0  # fixed/random strategies; cache="block": LLaDA2.0 steps per block (0: off)
-    cache: str = "none"
-    refresh_every: int = 0  # extra full refresh every N steps inside a block (0: only on block entry)
-    prefix_look: int = 16
-    after_look: int = 16
-    warmup_steps: int = 4
-    smoothing: bool = False  # iteration smoothing (soft mask embeddings + threshold ramp)
-    early_stop: bool = True
-    start_block_align: bool = False
-    mask_id: int = 0
-    eos_id: int = 0
-    observe: bool = False  # host callback after every iteration (streaming, live canvas); off = no host syncs
-    editing: bool = False  # block mode: LLaDA2.1 token-to-token edits (post-fill forwards)
-    max_post_steps: int = 16  # block mode with editing: post-fill forwards per block at most
-    indel: bool = False  # block mode: LLaDA2.2 insert/delete editing (block_loop.indel_step; implies editing)
-    alg: str = ""  # strategy "dream": Dream's rule, one of strategies.DREAM_ALGS
-    logit_shift: int = 0  # the model's ModelConfig.logit_shift (see the module doc)
-    sub_block_length: int = 0  # cache="block": sub-blocks decoded left to right (block_loop.py; 0: off)
-    sub_block_cache: bool = False  # with sub_block_length: the sub-block DualCache (block_loop.py)
-    # Per-token log-probabilities (`commit_record`): -1 off; N >= 0 records each committed token's
-    # logprob and the top N alternatives (N one of LOGPROB_BUCKETS, so programs stay few).
-    logprobs: int = -1
-    # Canvas templates (decoding/constraint.py): C > 0 adds per-position token sets of C classes
-    # (knobs allow_class / allowed); 0: unconstrained.
-    constraint_classes: int = 0
-
-    def __post_init__(self):
-        problems = []
-        if self.strategy not in st.STRATEGIES:
-            problems.append(f"strategy={self.strategy!r} is not one of {st.STRATEGIES}")
-        if self.cache not in CACHES:
-            problems.append(f"cache={self.cache!r} is not one of {CACHES}")
-        if self.gen_length <= 0 or self.block_length <= 0:
-            problems.append("gen_length and block_length must be > 0")
-        elif self.gen_length % self.block_length:
-            problems.append(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
-        if self.strategy == st.DREAM and self.alg not in st.DREAM_ALGS:
-            problems.append(f"strategy 'dream' needs alg in {st.DREAM_ALGS}, not {self.alg!r}")
-        elif self.strategy != st.DREAM and self.alg:
-            problems.append(f"alg={self.alg!r} needs strategy 'dream'")
-        if self.logit_shift not in (0, 1):
-            problems.append(f"logit_shift={self.logit_shift} must be 0 or 1")
-        elif self.logit_shift and self.smoothing:
-            problems.append("iteration smoothing with a shifted-logits model is not supported")
-        if self.strategy in st.SCHEDULED and self.steps_per_block <= 0:
-            problems.append(f"strategy {self.strategy!r} needs steps_per_block > 0")
-        if self.smoothing and self.cache == "prefix":
-            problems.append("iteration smoothing with the prefix cache is not supported (use none, dual or vicinity)")
-        if min(self.prefix_look, self.after_look, self.warmup_steps, self.refresh_every) < 0:
-            problems.append("prefix_look, after_look, warmup_steps and refresh_every must be >= 0")
-        if self.cache == "block":
-            if self.strategy not in st.BLOCK_STRATEGIES:
-                problems.append(f"cache='block' (block diffusion) decodes with strategy 'threshold' (LLaDA2's rule), "
-                                f"'sequential' or 'entropy_bounded' (SDAR's), not {self.strategy!r}")
-            elif self.strategy in st.BLOCK_ONLY and (self.editing or self.sub_block_length):
-                problems.append(f"strategy {self.strategy!r} does not combine with editing or sub_block_length")
-            if self.smoothing or self.start_block_align or self.refresh_every:
-                problems.append("cache='block' takes no smoothing, start_block_align or refresh_every")
-            if self.max_post_steps < 0:
-                problems.append(f"max_post_steps={self.max_post_steps} must be >= 0")
-            if self.sub_block_length < 0 or (self.sub_block_length and self.block_length % self.sub_block_length):
-                problems.append(f"sub_block_length={self.sub_block_length} must be 0 or divide "
-                                f"block_length={self.block_length}")
-            elif self.sub_block_length and (self.editing or self.steps_per_block):
-                problems.append("sub_block_length does not combine with editing or steps_per_block")
-            if self.sub_block_cache and not self.sub_block_length:
-                problems.append("sub_block_cache needs sub_block_length > 0 (the sub-blocks it caches)")
-        elif self.strategy in st.BLOCK_ONLY:
-            problems.append(f"strategy {self.strategy!r} needs cache='block' (block diffusion)")
-        elif self.sub_block_cache:
-            problems.append("sub_block_cache needs cache='block' (block diffusion) and sub_block_length > 0")
-        elif self.sub_block_length:
-            problems.append(f"sub_block_length={self.sub_block_length} needs cache='block' (block diffusion)")
-        elif self.editing or self.indel:
-            problems.append("token editing (editing_threshold, indel) needs cache='block' (block diffusion)")
-        if self.logprobs != -1 and self.logprobs not in LOGPROB_BUCKETS:
-            problems.append(f"logprobs={self.logprobs} must be -1 (off) or one of {LOGPROB_BUCKETS}")
-        if self.logprobs >= 0 and self.indel:
-            problems.append("logprobs with indel (insert/delete editing moves tokens between slots) is not supported")
-        if self.constraint_classes < 0 or self.constraint_classes == 1:
-            problems.append(f"constraint_classes={self.constraint_classes} must be 0 (off) or >= 2")
-        elif self.constraint_classes and self.indel:
-            problems.append("a canvas template (infill, structured output) does not combine with indel "
-                            "(insert/delete editing moves tokens across the template's fixed positions)")
-        if problems:
-            raise ValueError("invalid decoding settings: " + "; ".join(problems))
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per row (one more when aligned blocks may start inside the prompt)."""
-        aligned = self.start_block_align or self.cache == "block"
-        return self.gen_length // self.block_length + (1 if aligned else 0)
-
-    @property
-    def head_room(self) -> int:
-        """Pads needed before the earliest block start (vicinity windows reach back prefix_look;
-        shifted logits read the row before a block)."""
-        return (self.prefix_look if self.cache == "vicinity" else 0) + self.logit_shift
-
-    @property
-    def tail_room(self) -> int:
-        """Pads needed after the generation region (aligned last block, vicinity after_look)."""
-        return (self.block_length if self.start_block_align or self.cache == "block" else 0) + (
-            self.after_look if self.cache == "vicinity" else 0)
-
-    @property
-    def iterations_per_block(self) -> int:
-        """The loop iterations one block may take at most."""
-        per_block = self.steps_per_block if self.strategy in st.SCHEDULED else self.block_length
-        if self.cache == "block":  # + post-fill forwards; + B for steps that commit the mask id itself
-            per_block = 2 * self.block_length + (self.max_post_steps + 1 if self.editing else 0)
-            if self.indel:  # SGLang's max_steps (B + max_post_edit_steps + 2) bounds an indel block
-                per_block = self.block_length + self.max_post_steps + 2
-        return per_block
-
-    @property
-    def max_iterations(self) -> int:
-        return self.num_blocks * self.iterations_per_block
-
-    def row_max_iterations(self, gen_length_B):
-        """Per-row iteration bound (B,) for rows of generation length gen_length_B (<= gen_length,
-        multiples of the block): what the program of that gen_length alone would allow, so a row in
-        a longer program stops where it would alone."""
-        aligned = self.start_block_align or self.cache == "block"
-        blocks = jnp.minimum(gen_length_B, self.gen_length) // self.block_length + (1 if aligned else 0)
-        return blocks.astype(jnp.int32) * self.iterations_per_block
-
-
-def logprob_bucket(n: int) -> int:
-    """The DecodeSpec.logprobs that serves a request for the top n (0 <= n <= 20) alternatives."""
-    return next(b for b in LOGPROB_BUCKETS if b >= n)
-
-
-KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "credit_alpha", "credit_gamma",
-         "credit_beta", "seed", "editing_threshold", "num_to_transfer", "top_k", "top_p", "ignore_eos", "min_tokens",
-         "alg_temp", "eps", "confidence_before_filter", "eb_threshold")
-# Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
-# a multiple of the block; continuous batches mix lengths in one program, generate() does not).
-ROW_KNOBS = KNOBS + ("gen_length",)
-
+from dinfer_jax.decoding.spec import DREAM, FIXED, SCHEDULED, DecodeSpec
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
     """Model forward on tokens, or on smoothed embeddings when iteration smoothing is on."""
@@ -194,7 +43,7 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
 
     canvas_BL: int32 tokens (layout above); pad_B: left pads per row; prompt_len_B: real prompt
     tokens per row; gen_start: static index where every row's generation region begins;
-    active_B: False for bucket-filler rows; knobs: per-row (B,) arrays named in KNOBS.
+    active_B: False for bucket-filler rows; knobs: per-row (B,) arrays named in decoding/spec.KNOBS.
     observer_id: int32 scalar naming a host observer (decoding/observe.py); used only when
     spec.observe, which adds one host callback per iteration with the generation region.
     refresh_rows: see loop_functions.
@@ -356,7 +205,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             masked = x_blk == M
             n_entry = jnp.where(s.stp == 0, jnp.sum(masked, axis=-1), s.n_entry)
             quota = (st.num_transfer_tokens(n_entry, spec.steps_per_block, s.stp)
-                     if spec.strategy in st.FIXED else n_entry)
+                     if spec.strategy in FIXED else n_entry)
             tau = knobs["threshold"]
             if spec.smoothing:
                 tau = jnp.maximum(1.0 - 0.02 * s.it.astype(jnp.float32), tau)
@@ -365,7 +214,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             if spec.constraint_classes:
                 logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
                                           x_blk)
-            if spec.strategy == st.DREAM:
+            if spec.strategy == DREAM:
                 frac, k = st.dream_schedule(knobs["eps"], spec.steps_per_block, s.stp, jnp.sum(masked, axis=-1))
                 cand, transfer = st.dream_decide(spec.alg, logits, x_blk, M, knobs, keys_B=keys, frac_B=frac, k_B=k)
                 credit = None
@@ -381,7 +230,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
                 new_state["credit"] = jnp.where(active[:, None, None], credit, s.credit)
 
         # ---- block bookkeeping, early stop
-        if spec.strategy in st.SCHEDULED:
+        if spec.strategy in SCHEDULED:
             finished = active & (s.stp + 1 >= spec.steps_per_block)
         else:
             finished = active & ~jnp.any(x_blk == M, axis=-1)
@@ -473,29 +322,3 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
     branches = [branch(j) for j in range(spec.num_blocks)]
     logits = jax.lax.cond(jnp.any(need_win), lambda _: jax.lax.switch(j_min, branches, None), skip_prefix, None)
     return logits, None, None
-
-
-def joins_program(spec: DecodeSpec, gen_length: int) -> bool:
-    """Whether a row decoded with `spec` can run in a program whose generation region is
-    `gen_length`: its own region fits, in whole blocks of its block length."""
-    return spec.gen_length <= gen_length and gen_length % spec.block_length == 0
-
-
-def program_spec(spec: DecodeSpec, gen_length: int) -> DecodeSpec:
-    """spec with the program's generation region `gen_length` (>= the row's own, whole blocks:
-    `joins_program`): continuous batches decode rows of different lengths in one program (each row
-    stops at its own length)."""
-    if not joins_program(spec, gen_length):
-        raise ValueError(f"a program region of {gen_length} cannot hold rows of "
-                         f"{spec.gen_length} in blocks of {spec.block_length}")
-    return dataclasses.replace(spec, gen_length=gen_length)
-
-
-def same_program(spec: DecodeSpec, program: DecodeSpec) -> bool:
-    """Whether a row decoded with `spec` can join a batch compiled for `program`."""
-    return joins_program(spec, program.gen_length) and program_spec(spec, program.gen_length) == program
-
-
-def bucket_gen_length(spec: DecodeSpec) -> int:
-    """The program gen length a row of spec.gen_length joins: blocks rounded up to a power of two."""
-    return spec.block_length * (1 << max(0, (spec.gen_length // spec.block_length - 1).bit_length()))

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # annotations only (engine imports this module)
 
 
 def knob_value(p: SamplingParams, k: str) -> float:
-    """The per-row value of knob `k` (loop.ROW_KNOBS) for SamplingParams p."""
+    """The per-row value of knob `k` (decoding/spec.ROW_KNOBS) for SamplingParams p."""
     v = getattr(p, k)
     if v is None:  # editing_threshold None: no editing (unused), or with indel SGLang's edit_threshold 0
         return 0.0 if p.indel else 1.0

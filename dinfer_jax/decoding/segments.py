@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.cache import cache_shape
-from dinfer_jax.decoding.loop import ROW_KNOBS, DecodeSpec, loop_functions, same_program
+from dinfer_jax.decoding.loop import loop_functions
+from dinfer_jax.decoding.spec import ROW_KNOBS, DecodeSpec, same_program
 from dinfer_jax.decoding.row_state import record_region
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.sharding import to_host

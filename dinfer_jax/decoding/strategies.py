@@ -8,17 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.decoding.spec import DREAM_ALGS, FIXED, STRATEGIES
+
 NEG_INF = -jnp.inf
-FIXED = ("fixed", "random")
-THRESHOLD_FAMILY = ("threshold", "factor", "credit", "hierarchy")
-DREAM = "dream"  # Dream-7B's diffusion_generate sampler; its rule is DecodeSpec.alg (DREAM_ALGS)
-# Block diffusion only (cache="block"; decoding/block_loop.py, SDAR's remasking strategies): the
-# leftmost n masks per step, or masks by increasing entropy under a cumulative-entropy bound.
-BLOCK_ONLY = ("sequential", "entropy_bounded")
-BLOCK_STRATEGIES = ("threshold",) + BLOCK_ONLY  # what cache="block" decodes with
-STRATEGIES = FIXED + THRESHOLD_FAMILY + (DREAM,) + BLOCK_ONLY
-SCHEDULED = FIXED + (DREAM,)  # strategies with a fixed number of steps per block (steps_per_block)
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
 def num_transfer_tokens(n_masks_B, steps: int, step_B):

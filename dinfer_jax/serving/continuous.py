@@ -13,7 +13,8 @@ import numpy as np
 
 from dinfer_jax.decoding.segments import RunningBatch, abstract_state
 from dinfer_jax.decoding.rows import row_record
-from dinfer_jax.engine import PROMPT_BUCKET, InvalidParam, bucket_gen_length, program_spec, same_program
+from dinfer_jax.decoding.spec import InvalidParam, bucket_gen_length, program_spec, same_program
+from dinfer_jax.engine import PROMPT_BUCKET
 from dinfer_jax.serving.scheduler import Cancelled, Scheduler, log
 
 DEFAULT_SEGMENT = 8  # iterations per segment (bench/segment_cost.py measures the boundary cost)

@@ -8,11 +8,9 @@ Streaming requests select the program variant with a per-iteration host callback
 (decoding/observe.py); each block is sent as soon as it is decoded. `stream_canvas: true` (dLLM
 extension) adds the provisional canvas to the chunks whenever it changed (docs/openai_fields.md).
 
-dInfer's sampling settings are extra body fields: threshold, low_threshold, block_length,
-strategy, cache, steps, factor, smoothing, and for block diffusion (cache "block") editing_threshold,
-max_post_steps, num_to_transfer, top_k, indel, confidence_before_filter, sub_block_length, sub_block_cache,
-and strategy "sequential" / "entropy_bounded" (SDAR's remasking) with eb_threshold (OpenAI clients pass
-them with `extra_body=`); top_p is OpenAI's own field.
+The decoding settings are body fields generated from decoding/spec.SETTINGS (those it marks
+`server`): temperature, seed and top_p are OpenAI's own; threshold, block_length, strategy, cache,
+steps, editing_threshold, ... are extra fields (OpenAI clients pass them with `extra_body=`).
 Bad input (unknown fields, bad JSON, lengths over the limits) -> 400 with an OpenAI-style error.
 
 Bounds and lifetimes: every knob that sets work (max_tokens, steps, max_post_steps) has a server
@@ -41,10 +39,11 @@ import uuid
 from typing import Any, Literal, Optional, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, create_model
 
 from dinfer_jax.canvas_template import template_classes
-from dinfer_jax.engine import MAX_LOGPROBS, InvalidParam, SamplingParams, constrained_spec, templated_params
+from dinfer_jax.decoding.spec import BOOL, CHOICE, FLOAT, INT, MAX_LOGPROBS, SETTINGS, InvalidParam, Setting
+from dinfer_jax.engine import SamplingParams, constrained_spec, templated_params
 from dinfer_jax.json_template import SchemaError
 from dinfer_jax.serving.continuous import ContinuousBatcher
 from dinfer_jax.serving.scheduler import (DISCONNECT_POLL_S, Cancelled, CanvasView, ClientGone, Job, QueueFull,
@@ -59,53 +58,28 @@ try:  # module level: FastAPI resolves the handlers' (string) annotations in thi
 except ImportError:  # serve needs the [serve] extra; create_app says so
     Request = None
 
-STRATEGY = Literal["fixed", "random", "threshold", "factor", "credit", "hierarchy", "dream", "sequential",
-                   "entropy_bounded"]
-CACHE = Literal["none", "prefix", "dual", "vicinity", "block"]
+def _setting_type(s: Setting):
+    """The request-model type of a decoding setting (strict: `true` is no integer, "yes" no boolean)."""
+    if s.kind == CHOICE:
+        return Literal[s.choices]
+    return {INT: int, FLOAT: float, BOOL: bool}[s.kind]
 
 
-class DinferFields(BaseModel):
-    """Extra body fields: dInfer's decoding settings (None = the server's default). Only their
-    types are declared here (strictly: `true` is no integer, "yes" no boolean); their rules live in
-    SamplingParams (one place for the CLI, the library and the server), whose InvalidParam becomes a
-    400 naming the field."""
-    model_config = ConfigDict(extra="forbid", strict=True)
-    threshold: Optional[float] = None
-    low_threshold: Optional[float] = None
-    block_length: Optional[int] = None
-    strategy: Optional[STRATEGY] = None
-    cache: Optional[CACHE] = None
-    steps: Optional[int] = None
-    factor: Optional[float] = None
-    smoothing: Optional[bool] = None
-    # block diffusion (cache "block"; LLaDA2.x): the peers' names
-    editing_threshold: Optional[float] = None
-    max_post_steps: Optional[int] = None
-    num_to_transfer: Optional[int] = None
-    top_k: Optional[int] = None
-    indel: Optional[bool] = None  # LLaDA2.2 insert/delete editing
-    confidence_before_filter: Optional[bool] = None  # SDAR's evaluation sampler: p before top-k/top-p
-    sub_block_length: Optional[int] = None  # Fast-dLLM v2's small_block_size (0: off)
-    eb_threshold: Optional[float] = None  # strategy "entropy_bounded" (SDAR's): the summed-entropy bound
-    sub_block_cache: Optional[bool] = None  # Fast-dLLM v2's use_block_cache (sub-block DualCache)
-    # vLLM's extras: decode all max_tokens (EOS never chosen); EOS forbidden in the first min_tokens
-    ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = None
-    # Dream's sampler (strategy "dream"); alg is checked by SamplingParams (InvalidParam -> 400)
-    alg: Optional[str] = None
-    alg_temp: Optional[float] = None
-    eps: Optional[float] = None
+# The decoding settings a request may set (None = the server's default): every field
+# decoding/spec.SETTINGS marks `server`. Only their types are declared here; their rules live in
+# SamplingParams (one place for the CLI, the library and the server), whose InvalidParam becomes a
+# 400 naming the field.
+DinferFields = create_model(
+    "DinferFields", __config__=ConfigDict(extra="forbid", strict=True),
+    **{name: (Optional[_setting_type(s)], None) for name, s in SETTINGS.items() if s.server})
 
 
 class CommonFields(DinferFields):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = None
-    seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[dict] = None
     n: Optional[int] = None
-    top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
     user: Optional[str] = None
     return_step_map: Optional[bool] = None  # dLLM extension: each output token's commit step (`commit_steps`)
@@ -353,12 +327,6 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                 raise BadRequest(f"{name}={v} exceeds this server's limit of {limit}", name)
         d = cfg.default_params
         upd = {k: getattr(req, k) for k in DinferFields.model_fields if getattr(req, k) is not None}
-        if req.temperature is not None:
-            upd["temperature"] = req.temperature
-        if req.seed is not None:
-            upd["seed"] = req.seed
-        if req.top_p is not None:
-            upd["top_p"] = req.top_p
         if logprobs is not None:
             upd["logprobs"] = logprobs
         try:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 from dinfer_jax.decoding.rows import ids_until_stop
-from dinfer_jax.decoding import strategies
+from dinfer_jax.decoding.spec import SCHEDULED
 from dinfer_jax.engine import InvalidParam, SamplingParams
 from dinfer_jax.serving_metrics import RequestObservation, ServingMetrics, blocks_at_cap
 from dinfer_jax.stop_strings import find_stop, held_back, ids_through
@@ -655,7 +655,7 @@ class Scheduler:
         now = time.monotonic()
         spec = job.key
         blocks, capped = blocks_at_cap(steps_per_block, spec.iterations_per_block,
-                                       spec.strategy not in strategies.SCHEDULED)
+                                       spec.strategy not in SCHEDULED)
         first = job.t_first_token if job.events is not None else now
         self.metrics.observe_request(RequestObservation(
             queue_s=(job.t_admitted or now) - job.t_arrival,
