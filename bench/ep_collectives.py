@@ -25,6 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from dinfer_jax import sharding as shd  # noqa: E402
 from dinfer_jax.families import preset  # noqa: E402
+from dinfer_jax.kernels import KernelConfig  # noqa: E402
+from dinfer_jax.models.forward_inputs import ForwardInputs  # noqa: E402
 from dinfer_jax.models.moe import MoE  # noqa: E402
 from dinfer_jax.models.transformer import DecoderLayer  # noqa: E402
 
@@ -66,8 +68,9 @@ def main():
         x = jax.ShapeDtypeStruct((B, a.seq, cfg.hidden_size), jnp.float32)
         pos = jax.ShapeDtypeStruct((B, a.seq), jnp.int32)
         for name, module, args in [
-            ("MoE", MoE(cfg, "auto", jnp.float32, mesh), (x,)),
-            ("decoder", DecoderLayer(cfg, "auto", jnp.float32, "xla", mesh), (x, pos, None, None, None, None)),
+            ("MoE", MoE(cfg, jnp.float32, KernelConfig(mesh=mesh)), (x,)),
+            ("decoder", DecoderLayer(cfg, jnp.float32, KernelConfig(attention="xla", mesh=mesh)),
+             (x, ForwardInputs(pos), None)),
         ]:
             abstract = jax.eval_shape(lambda *a, m=module: m.init(jax.random.key(0), *a), *args)
             import flax.linen as nn

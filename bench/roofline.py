@@ -423,7 +423,8 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     attention block (projections, qk-norm, RoPE, cache write, core), attention core alone, MoE / MLP
     (router, sort, experts, combine), the expert grouped matmuls alone (MoE), final norm + LM head."""
     from dinfer_jax.models.layers import MLP, Attention, rms_normalize
-    from dinfer_jax.kernels import expert_impl
+    from dinfer_jax.kernels import KernelConfig, expert_impl
+    from dinfer_jax.models.forward_inputs import ForwardInputs
     from dinfer_jax.models.moe import MoE, route
     from dinfer_jax.kernels import attention
     q, L, g = window_shapes(kind, prompt_len, gen_len, block, prefix_look, after_look)[0]
@@ -435,18 +436,18 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     pos = jnp.broadcast_to(jnp.arange(L - q, L, dtype=jnp.int32), (B, q))
     km = jnp.ones((B, L), bool)
     kvc = (jax.random.normal(ks[1], (B, L, K, H), dtype), jax.random.normal(ks[2], (B, L, K, H), dtype))
-    attn = Attention(c, dtype, attention_impl)
+    attn = Attention(c, dtype, KernelConfig(attention=attention_impl))
     cached = kind != "full"
     out = {}
-    f = jax.jit(lambda p, x, kv: attn.apply({"params": p}, x, pos, km, kv=kv if cached else None,
-                                            window_start=L - q if cached else None)[0])
+    inputs = ForwardInputs(pos, km, window_start=L - q if cached else None)
+    f = jax.jit(lambda p, x, kv: attn.apply({"params": p}, x, inputs, kv=kv if cached else None)[0])
     kv_layer = tuple(merge_heads(t) for t in kvc)  # a layer's cache as it is stored: (B, L, K*H)
     out["attention block"] = median_time(lambda: f(layer0["attn"], x, kv_layer), repeats)
     qq = jax.random.normal(ks[3], (B, q, N, H), dtype)
     core = jax.jit(lambda a, b, v: attention(a, b, v, km, impl=attention_impl))
     out["attention core"] = median_time(lambda: core(qq, *kvc), repeats)
     if c.is_moe:
-        moe = MoE(c, moe_impl, dtype)
+        moe = MoE(c, dtype, KernelConfig(experts=moe_impl))
         fm = jax.jit(lambda p, x: moe.apply({"params": p}, x))
         out["moe layer"] = median_time(lambda: fm(layer0["mlp"], x), repeats)
         impl = expert_impl(moe_impl)

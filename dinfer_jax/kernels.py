@@ -6,6 +6,9 @@ jax.default_backend()). Model files call this module, never a kernel package's i
 Why each default: docs/internals/kernels.md."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -18,8 +21,28 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "reference", "cudnn")
 EXPERT_IMPLS = ("auto", "ragged", "tiled", "pallas", "dense")
 
-__all__ = ["ATTENTION_IMPLS", "EXPERT_IMPLS", "PLATFORMS", "attention", "attention_impl", "expert_impl",
+__all__ = ["ATTENTION_IMPLS", "EXPERT_IMPLS", "PLATFORMS", "KernelConfig", "attention", "attention_impl",
+           "expert_impl",
            "experts_gmm", "experts_tiled", "pins_kv_layout", "reads_layers_in_place", "target_platform"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The static choices a model compiles with, one object from the Transformer down to Attention
+    and MoE: the attention path (ATTENTION_IMPLS), the expert path (EXPERT_IMPLS), the compile
+    target (None: jax.default_backend()) and the device mesh (None: one device)."""
+    attention: str = "auto"
+    experts: str = "auto"
+    platform: str | None = None
+    mesh: Any = None
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention impl {self.attention!r} is not one of {ATTENTION_IMPLS}")
+        if self.experts not in EXPERT_IMPLS:
+            raise ValueError(f"expert impl {self.experts!r} is not one of {EXPERT_IMPLS}")
+        if self.platform is not None:
+            target_platform(self.platform)
 
 
 def target_platform(platform: str | None) -> str:

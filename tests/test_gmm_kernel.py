@@ -381,7 +381,7 @@ def test_moe_picks_pallas_for_quantized_experts_on_tpu(kind, monkeypatch):
     real_pallas = moe.experts_pallas
     monkeypatch.setattr(moe, "experts_pallas", lambda *a, **k: calls.append(1) or real_pallas(*a, **k))
     monkeypatch.setattr(moe, "experts_tiled", lambda *a, **k: pytest.fail("quantized experts took the tiled path"))
-    layer = moe.MoE(cfg, impl="auto", dtype=jnp.bfloat16)
+    layer = moe.MoE(cfg, dtype=jnp.bfloat16)
     x = jax.ShapeDtypeStruct((1, 8, cfg.hidden_size), jnp.bfloat16)
     params = jax.eval_shape(lambda: layer.init(jax.random.key(0), jnp.zeros(x.shape, x.dtype)))["params"]
     params = jax.tree_util.tree_map(lambda p: getattr(p, "value", p), params,

@@ -4,8 +4,6 @@ Every parameter is declared with logical axis names (sharding.py rules); the lay
 """
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,9 @@ from jax.sharding import PartitionSpec as P
 from dinfer_jax.cache import as_starts, merge_heads, row_major, split_heads, window_write
 from dinfer_jax import kernels
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.kernels import KernelConfig
 from dinfer_jax.models import quant, stacked
+from dinfer_jax.models.forward_inputs import ForwardInputs
 from dinfer_jax.sharding import batch_axes
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -102,22 +102,20 @@ def _layout_pin(platform, mesh, batch: int, kv_heads: int):
 class Attention(nn.Module):
     """GQA attention with optional q/k/v biases, per-head q/k RMSNorm, and RoPE.
 
-    __call__(x_BSD, positions_BS, key_mask_BL, kv=None, window_start=None, kv_write_BS=None,
-             key_positions_BL=None, block_size=0) -> (out_BSD, (k_BLF, v_BLF)), F = K*H. With `kv`
-    (full-length k_BLF, v_BLF), row b's S fresh K/V go into a copy at [window_start_b, +S) (where
-    kv_write_BS) and the queries attend to all L. block_size > 0: block-causal over positions_BS /
-    key_positions_BL (default positions_BS).
+    __call__(x_BSD, inputs: ForwardInputs, kv=None, block_size=0) -> (out_BSD, (k_BLF, v_BLF)),
+    F = K*H. With `kv` (full-length k_BLF, v_BLF), row b's S fresh K/V go into a copy at
+    [inputs.window_start_b, +S) (where inputs.kv_write_BS) and the queries attend to all L.
+    block_size > 0: block-causal over the query / key positions. On a multi-device mesh
+    (kernels.mesh) the Pallas kernel runs per shard (rows over batch axes, heads over model).
     """
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
-    attention_impl: str = "auto"  # kernels.ATTENTION_IMPLS
-    mesh: Any = None  # multi-device mesh: the Pallas kernel runs per shard (rows over batch axes, heads over model)
-    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
+    kernels: KernelConfig = KernelConfig()
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL=None, kv=None, window_start=None, kv_write_BS=None,
-                 key_positions_BL=None, block_size: int = 0):
-        c = self.cfg
+    def __call__(self, x_BSD, inputs: ForwardInputs, kv=None, block_size: int = 0):
+        c, ks = self.cfg, self.kernels
+        positions_BS, key_positions_BL = inputs.positions_BS, inputs.key_positions_BL
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         wq = param(self, "q_proj", (D, N, H), ("embed", "heads", "head_dim"), self.dtype)
         wk = param(self, "k_proj", (D, K, H), ("embed", "kv_heads", "head_dim"), self.dtype)
@@ -137,21 +135,21 @@ class Attention(nn.Module):
         q = rotary_embedding(q, positions_BS, c.rope_theta, c.rotary)
         k = rotary_embedding(k, positions_BS, c.rope_theta, c.rotary)
         # the cache's layout (dinfer_jax/cache.py), pinned row-major for XLA:TPU (cache.row_major)
-        pin = _layout_pin(self.platform, self.mesh, x_BSD.shape[0], K)
+        pin = _layout_pin(ks.platform, ks.mesh, x_BSD.shape[0], K)
         k, v = merge_heads(pin(k)), merge_heads(pin(v))
         if kv is not None:
             k_full, v_full = kv
-            starts = as_starts(window_start, x_BSD.shape[0])
-            k = window_write(k_full, k, starts, kv_write_BS)
-            v = window_write(v_full, v, starts, kv_write_BS)
+            starts = as_starts(inputs.window_start, x_BSD.shape[0])
+            k = window_write(k_full, k, starts, inputs.kv_write_BS)
+            v = window_write(v_full, v, starts, inputs.kv_write_BS)
         k, v = pin(k), pin(v)
         with jax.named_scope("attention_core"):
             k_pos = positions_BS if key_positions_BL is None else key_positions_BL
             if block_size and k_pos.shape[1] != k.shape[1]:
                 raise ValueError("block-causal attention over a cache needs key_positions_BL (B, L)")
-            o_BSNH = kernels.attention(q, split_heads(k, K), split_heads(v, K), key_mask_BL, q_pos_BS=positions_BS,
-                               k_pos_BL=k_pos, block_size=block_size, impl=self.attention_impl,
-                               platform=self.platform, **_shard_kw(self.mesh, k.shape[0], K))
+            o_BSNH = kernels.attention(q, split_heads(k, K), split_heads(v, K), inputs.key_mask_BL,
+                                       q_pos_BS=positions_BS, k_pos_BL=k_pos, block_size=block_size,
+                                       impl=ks.attention, platform=ks.platform, **_shard_kw(ks.mesh, k.shape[0], K))
         return stacked.einsum("bsnh,nhd->bsd", o_BSNH, wo), (k, v)
 
 

@@ -7,7 +7,6 @@ target platform. Router rules and path trade-offs: docs/internals/model_code.md.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 
 from dinfer_jax import kernels
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.kernels import KernelConfig
 from dinfer_jax.models import stacked
 from dinfer_jax.models.expert_parallel import moe_expert_parallel
 from dinfer_jax.models.layers import MLP, param
@@ -136,10 +136,8 @@ class MoE(nn.Module):
     (sigmoid_group), experts (E, D, F) / (E, F, D), shared/{gate,up,down}_proj (D, Fs) / (Fs, D),
     Fs = F * num_shared_experts. Expert weights may be stacked.LayerSlices."""
     cfg: ModelConfig
-    impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
-    mesh: Any = None  # a ("data", "expert", "model") Mesh: expert parallelism (models/expert_parallel.py)
-    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
+    kernels: KernelConfig = KernelConfig()  # .mesh: expert parallelism (models/expert_parallel.py)
 
     @nn.compact
     def __call__(self, x_BSD):
@@ -154,14 +152,15 @@ class MoE(nn.Module):
         wd = param(self, "down_proj", (E, F, D), ("expert", "mlp", "embed"), self.dtype)
         B, S, _ = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        impl = kernels.expert_impl(self.impl, self.platform)
+        ks = self.kernels
+        impl = kernels.expert_impl(ks.experts, ks.platform)
         fn = {"ragged": experts_ragged, "tiled": experts_tiled,
-              "pallas": functools.partial(experts_pallas, platform=self.platform), "dense": experts_dense}[impl]
-        multi_device = self.mesh is not None and self.mesh.size > 1
+              "pallas": functools.partial(experts_pallas, platform=ks.platform), "dense": experts_dense}[impl]
+        multi_device = ks.mesh is not None and ks.mesh.size > 1
         if impl != "tiled" or multi_device:  # only the one-device tiled scan reads the layer stack itself
             wg, wu, wd = (stacked.resolve(w) for w in (wg, wu, wd))
         if multi_device:
-            y = moe_expert_parallel(x_TD, rp, wg, wu, wd, mesh=self.mesh, token_axes=batch_axes(B, self.mesh),
+            y = moe_expert_parallel(x_TD, rp, wg, wu, wd, mesh=ks.mesh, token_axes=batch_axes(B, ks.mesh),
                                     route_fn=lambda x, p: route_model(x, p, c), local_experts_fn=fn)
         else:
             weights_TX, experts_TX = route_model(x_TD, rp, c)

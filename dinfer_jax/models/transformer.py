@@ -13,8 +13,10 @@ import jax.numpy as jnp
 
 from dinfer_jax.cache import as_starts, window_slice
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.kernels import KernelConfig
 from dinfer_jax.models import quant, stacked
 from dinfer_jax.models.layers import _init as _default_init
+from dinfer_jax.models.forward_inputs import ForwardInputs
 from dinfer_jax.models.layers import MLP, Attention, RMSNorm, param, whole_kv_heads
 from dinfer_jax.models.moe import MoE
 from dinfer_jax.sharding import constrain
@@ -33,30 +35,26 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); y = h + mlp(norm(h)); mlp: MoE in a MoE model's main
     stack, else dense SwiGLU (`dense_ffn`: width cfg.dense_intermediate_size)."""
     cfg: ModelConfig
-    moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
-    attention_impl: str = "auto"
-    mesh: Any = None  # sharding.make_mesh(...): activations pinned by logical axes, MoE expert-parallel
+    kernels: KernelConfig = KernelConfig()  # .mesh: activations pinned by logical axes, MoE expert-parallel
     block_size: int = 0  # > 0: block-causal attention
     dense_ffn: bool = False
-    platform: str | None = None  # compile target for kernel choice (None = jax.default_backend())
 
     @nn.compact
-    def __call__(self, x_BSD, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL=None):
-        c = self.cfg
-        a, new_kv = Attention(c, self.dtype, self.attention_impl, self.mesh, self.platform, name="attn")(
-            RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD),
-            positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL, self.block_size)
-        h = constrain(x_BSD + a, ACT_AXES, self.mesh)
+    def __call__(self, x_BSD, inputs: ForwardInputs, kv):
+        c, mesh = self.cfg, self.kernels.mesh
+        a, new_kv = Attention(c, self.dtype, self.kernels, name="attn")(
+            RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="attn_norm")(x_BSD), inputs, kv, self.block_size)
+        h = constrain(x_BSD + a, ACT_AXES, mesh)
         m = RMSNorm(c.rms_norm_eps, "embed", self.dtype, name="mlp_norm")(h)
         if self.dense_ffn:
             y = MLP(c, self.dtype, c.dense_intermediate_size, name="mlp")(m)
         elif c.is_moe:
-            y = MoE(c, self.moe_impl, self.dtype, self.mesh, self.platform, name="mlp")(m)
+            y = MoE(c, self.dtype, self.kernels, name="mlp")(m)
         else:
             y = MLP(c, self.dtype, name="mlp")(m)
-        new_kv = tuple(constrain(t, kv_axes(c, self.mesh), self.mesh) for t in new_kv)
-        return constrain(h + y, ACT_AXES, self.mesh), new_kv
+        new_kv = tuple(constrain(t, kv_axes(c, mesh), mesh) for t in new_kv)
+        return constrain(h + y, ACT_AXES, mesh), new_kv
 
 
 class Transformer(nn.Module):
@@ -87,13 +85,16 @@ class Transformer(nn.Module):
             return 0
         return self.attention_block or self.cfg.block_size
 
+    @property
+    def kernels(self) -> KernelConfig:
+        """The static kernel / platform / mesh choices every layer compiles with."""
+        return KernelConfig(self.attention_impl, self.moe_impl, self.platform, self.mesh)
+
     def _stack(self, length: int, dense_ffn: bool):
-        return nn.scan(
+        return nn.scan(  # over layers: (x carried; the inputs broadcast; each layer's kv)
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=length,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size, dense_ffn,
-          self.platform)
+            in_axes=(nn.broadcast, 0), length=length, metadata_params={nn.PARTITION_NAME: "layers"},
+        )(self.cfg, self.dtype, self.kernels, self.block_size, dense_ffn)
 
     def setup(self):
         c = self.cfg
@@ -107,18 +108,15 @@ class Transformer(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = LMHead(c.hidden_size, c.vocab_size, self.dtype)
 
-    def _run_stack(self, name: str, dense_ffn: bool, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
-                   key_positions_BL, update=None):
+    def _run_stack(self, name: str, dense_ffn: bool, x, inputs: ForwardInputs, kv, update=None):
         """The layer stack `name` over x (nn.scan at init; else stacked.scan_layers; update: scan_layers'
         in-place update of kv)."""
         if self.is_initializing():
-            return getattr(self, name)(x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS, key_positions_BL)
-        layer = DecoderLayer(self.cfg, self.moe_impl, self.dtype, self.attention_impl, self.mesh, self.block_size,
-                             dense_ffn, self.platform, parent=None)
+            return getattr(self, name)(x, inputs, kv)
+        layer = DecoderLayer(self.cfg, self.dtype, self.kernels, self.block_size, dense_ffn, parent=None)
 
         def fn(p_i, x, kv_i):
-            return layer.apply({"params": p_i}, x, positions_BS, key_mask_BL, kv_i, window_start, kv_write_BS,
-                               key_positions_BL)
+            return layer.apply({"params": p_i}, x, inputs, kv_i)
         return stacked.scan_layers(fn, self.variables["params"][name], x, kv, platform=self.platform, mesh=self.mesh,
                                    update=update)
 
@@ -142,23 +140,20 @@ class Transformer(nn.Module):
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         if self.block_size and kv is not None and key_positions_BL is None:
             raise ValueError("a block-causal forward over a KV cache needs key_positions_BL (B, L)")
+        inputs = ForwardInputs(positions_BS, key_mask_BL, window_start, kv_write_BS, key_positions_BL)
         k0 = self.cfg.first_k_dense
         if kv_in_place:  # both stacks update their own layers of the one cache (no slices, no concatenate)
             with jax.named_scope("layers"):
                 if k0:
-                    x, kv = self._run_stack("dense_layers", True, x, positions_BS, key_mask_BL, kv, window_start,
-                                            kv_write_BS, key_positions_BL, update=(0, kv_rows))
-                x, new_kv = self._run_stack("layers", False, x, positions_BS, key_mask_BL, kv, window_start,
-                                            kv_write_BS, key_positions_BL, update=(k0, kv_rows))
+                    x, kv = self._run_stack("dense_layers", True, x, inputs, kv, update=(0, kv_rows))
+                x, new_kv = self._run_stack("layers", False, x, inputs, kv, update=(k0, kv_rows))
             return self._logits(x, B, logits_window), new_kv
         kv_dense, kv = (None, kv) if kv is None or not k0 else (
             tuple(t[:k0] for t in kv), tuple(t[k0:] for t in kv))
         with jax.named_scope("layers"):
             if k0:
-                x, dense_kv = self._run_stack("dense_layers", True, x, positions_BS, key_mask_BL, kv_dense, window_start,
-                                              kv_write_BS, key_positions_BL)
-            x, new_kv = self._run_stack("layers", False, x, positions_BS, key_mask_BL, kv, window_start, kv_write_BS,
-                                        key_positions_BL)
+                x, dense_kv = self._run_stack("dense_layers", True, x, inputs, kv_dense)
+            x, new_kv = self._run_stack("layers", False, x, inputs, kv)
             if k0:
                 new_kv = tuple(jnp.concatenate([a, b]) for a, b in zip(dense_kv, new_kv))
         return self._logits(x, B, logits_window), new_kv
