@@ -642,21 +642,20 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
             return sse({"error": {"message": e.message, "type": "timeout" if e.status == 504 else "server_error"}})
         return sse({"error": {"message": f"generation failed: {e}", "type": "server_error"}})
 
-    async def stream_completion(job, base, n_prompt, req, request, echoed: str = ""):
+    async def stream_job(job, chunk: dict, n_prompt, req, request, first: list, choice, last):
+        """The SSE lines of one streamed job: the `first` choices, then choice(delta, ids, recs) per
+        decoded piece (with commit_steps / canvas when asked), then last(result), usage, [DONE].
+        A client that goes away, or a failure, cancels the job."""
         try:
-            if echoed:
-                yield sse({**base, "choices": [{"index": 0, "text": echoed, "finish_reason": None, "logprobs": None}]})
-            sent: list[int] = []
+            for c in first:
+                yield sse({**chunk, "choices": [c]})
             async for delta, ids, recs, view in stream_events(job, request):
-                c = {"index": 0, "text": delta, "finish_reason": None, "logprobs": None}
-                if req.logprobs is not None:
-                    c["logprobs"] = completion_logprobs(ids, recs, sent, len(echoed))
+                c = choice(delta, ids, recs)
                 if req.return_step_map:
                     c["commit_steps"] = [r[0] for r in recs]
                 if view is not None:
                     c["canvas"] = canvas_of(job, view)
-                sent += ids
-                yield sse({**base, "choices": [c]})
+                yield sse({**chunk, "choices": [c]})
             r = job.future.result()
         except ClientGone:
             return
@@ -666,11 +665,24 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
         finally:  # the client went away (the generator is cancelled) or the stream failed
             if not job.future.done():
                 job.cancelled = True
-        yield sse({**base, "choices": [{"index": 0, "text": "", "finish_reason": r["finish_reason"], "logprobs": None,
-                                        "seed": r["seed"]}]})
+        yield sse({**chunk, "choices": [last(r)]})
         if (req.stream_options or {}).get("include_usage"):
-            yield sse({**base, "choices": [], "usage": usage(n_prompt, [r])})
+            yield sse({**chunk, "choices": [], "usage": usage(n_prompt, [r])})
         yield "data: [DONE]\n\n"
+
+    def stream_completion(job, base, n_prompt, req, request, echoed: str = ""):
+        sent: list[int] = []
+
+        def choice(delta, ids, recs):
+            c = {"index": 0, "text": delta, "finish_reason": None, "logprobs": None}
+            if req.logprobs is not None:
+                c["logprobs"] = completion_logprobs(ids, recs, sent, len(echoed))
+            sent.extend(ids)
+            return c
+        first = [{"index": 0, "text": echoed, "finish_reason": None, "logprobs": None}] if echoed else []
+        return stream_job(job, base, n_prompt, req, request, first, choice,
+                          lambda r: {"index": 0, "text": "", "finish_reason": r["finish_reason"], "logprobs": None,
+                                     "seed": r["seed"]})
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -724,34 +736,15 @@ def create_app(model, tokenizer, cfg: ServerConfig, chat_formatter=None):
                 "choices": [choice(i, c) for i, c in enumerate(results)],
                 "usage": usage(len(ids), results), "nfe": r["nfe"], "tpf": r["tpf"], "undecoded_tokens": r["undecoded"]}
 
-    async def stream_chat(job, base, n_prompt, req, request):
-        chunk = {**base, "object": "chat.completion.chunk"}
-        yield sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-        try:
-            async for delta, ids, recs, view in stream_events(job, request):
-                c = {"index": 0, "delta": {"content": delta}, "finish_reason": None}
-                if req.logprobs:
-                    c["logprobs"] = chat_logprobs(ids, recs)
-                if req.return_step_map:
-                    c["commit_steps"] = [r[0] for r in recs]
-                if view is not None:
-                    c["canvas"] = canvas_of(job, view)
-                yield sse({**chunk, "choices": [c]})
-            r = job.future.result()
-        except ClientGone:
-            return
-        except Exception as e:
-            yield stream_error(e)
-            return
-        finally:
-            if not job.future.done():
-                job.cancelled = True
-        yield sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": r["finish_reason"],
-                                         "seed": r["seed"]}]})
-        if (req.stream_options or {}).get("include_usage"):
-            yield sse({**chunk, "choices": [], "usage": usage(n_prompt, [r])})
-        yield "data: [DONE]\n\n"
+    def stream_chat(job, base, n_prompt, req, request):
+        def choice(delta, ids, recs):
+            c = {"index": 0, "delta": {"content": delta}, "finish_reason": None}
+            if req.logprobs:
+                c["logprobs"] = chat_logprobs(ids, recs)
+            return c
+        first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        return stream_job(job, {**base, "object": "chat.completion.chunk"}, n_prompt, req, request, first, choice,
+                          lambda r: {"index": 0, "delta": {}, "finish_reason": r["finish_reason"], "seed": r["seed"]})
 
     @app.on_event("shutdown")
     def _shutdown():
