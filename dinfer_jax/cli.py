@@ -332,8 +332,9 @@ def _add_compile_cache_flag(p):
 def _generate_diffusion_gemma(a, model_dir: str):
     """`generate` on a DiffusionGemma folder (uniform-noise diffusion, families/diffusion_gemma.py):
     its generation_config.json settings (the reference's defaults under them), --gen-length as
-    max_new_tokens, --steps as max_denoising_steps, --seed. The other decoding flags do not apply."""
-    from dinfer_jax import compile_cache
+    max_new_tokens, --steps as max_denoising_steps, --seed, --mesh (one host). The other decoding
+    flags do not apply."""
+    from dinfer_jax import compile_cache, sharding
     from dinfer_jax.families import diffusion_gemma as dgf
     from dinfer_jax.families import read_generation_config
     from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
@@ -343,7 +344,10 @@ def _generate_diffusion_gemma(a, model_dir: str):
     if given:
         raise ValueError(f"{model_dir} is a DiffusionGemma model (uniform-noise diffusion, one prompt): "
                          f"{', '.join('--' + n.replace('_', '-') for n in given)} do not apply; it takes --gen-length "
-                         "(max_new_tokens), --steps (max_denoising_steps) and --seed")
+                         "(max_new_tokens), --steps (max_denoising_steps), --seed and --mesh")
+    if getattr(a, "coordinator", None) or getattr(a, "num_processes", None):
+        raise ValueError(f"{model_dir} is a DiffusionGemma model: decoding over several hosts (--coordinator, "
+                         f"--num-processes) is not built for it; --mesh places it on this host's devices")
     compile_cache.enable(a.compile_cache)
     settings = dgf.settings_from_generation_config(read_generation_config(model_dir))
     upd = {k: v for k, v in (("max_new_tokens", getattr(a, "gen_length", None)),
@@ -351,7 +355,7 @@ def _generate_diffusion_gemma(a, model_dir: str):
     settings = dataclasses.replace(settings, **upd)
     tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
     ids = _prompt_ids(a, tok, model_dir)
-    model = dgf.load(model_dir)
+    model = dgf.load(model_dir, mesh=sharding.make_mesh(a.mesh) if getattr(a, "mesh", None) else None)
     t = time.perf_counter()
     out = dgf.generate(model, [ids], settings, seed=a.seed or 0)[0]
     seconds = time.perf_counter() - t
@@ -365,6 +369,8 @@ def _generate_diffusion_gemma(a, model_dir: str):
     kept = kept[:eos[0]] if eos else kept  # the answer: up to the first EOS (the rest is pad)
     text = tok.decode(kept) if tok is not None else None
     res = {"token_ids": kept, "text": text, "canvases": len(out) // model.canvas_length, "seconds": round(seconds, 4)}
+    if model.mesh is not None:
+        res["mesh"] = {ax: int(model.mesh.shape[ax]) for ax in sharding.MESH_AXES}
     if timed is not None:
         res["timed_seconds"] = round(timed, 4)
     if a.json:

@@ -244,6 +244,32 @@ def test_cli_generate_decodes_a_folder(hf_folder):
     assert r.returncode == 2 and "--strategy do not apply" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_cli_generate_on_a_mesh_decodes_as_one_device(hf_folder):
+    """--mesh places the params on 4 fake CPU devices (4 experts over "expert", their width over
+    "model"): the same seed decodes the same tokens as one device (the expert-parallel logits equal
+    one device's to a few fp32 ulps: tests/test_diffusion_gemma_mesh.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    exe = [sys.executable, "-m", "dinfer_jax.cli", "generate", "--model", hf_folder, "--prompt-ids", "3,4,5",
+           "--seed", "7", "--json", "--compile-cache", "off"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    runs = [subprocess.run(exe + extra, capture_output=True, text=True, timeout=600, env=env)
+            for extra in ([], ["--mesh", "expert=2,model=2"])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    one, mesh = (json.loads(r.stdout) for r in runs)
+    assert one["token_ids"] == mesh["token_ids"] and one["canvases"] == mesh["canvases"], (one, mesh)
+    assert "mesh" not in one and mesh["mesh"] == {"data": 1, "expert": 2, "model": 2}
+    r = subprocess.run(exe + ["--mesh", "expert=4,model=1"], capture_output=True, text=True, timeout=600,
+                       env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+    assert r.returncode == 0, r.stderr[-3000:]  # 4 experts over 4 devices
+    r = subprocess.run(exe + ["--mesh", "expert=2,model=2", "--coordinator", "h:1", "--num-processes", "2",
+                              "--process-id", "0"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 2 and "several hosts" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_released_preset_sizes():
     """The 26B-A4B preset's parameter counts (from shapes alone): 25.25 B total, 3.84 B active (8 of
     128 experts), consistent with the name; 5 full layers of 30 (every 6th)."""

@@ -2,8 +2,9 @@
 to their experts' shard, partial sums reduced) on 8 fake CPU devices: the encoder + decoder logits
 on an all-axes mesh (data=2, expert=2, model=2: tokens split over "expert" are gathered) and on
 expert=8 (a batch of 4 stays replicated over "expert") equal one device's to 2e-6 of the largest
-|logit| (the psum adds the top-k contributions in another order: a few fp32 ulps), argmax equal.
-No torch: a random model of the preset diffusion-gemma-tiny."""
+|logit| (the psum adds the top-k contributions in another order: a few fp32 ulps), argmax equal;
+`generate` with params placed by `param_shardings` (experts split 4 ways) decodes the same tokens as
+one device. No torch: a random model of the preset diffusion-gemma-tiny."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,15 @@ out = {}
 for spec in ("data=2,expert=2,model=2", "expert=8"):
     got = logits(shd.make_mesh(spec))
     out[spec] = [float(np.abs(got - ref).max() / np.abs(ref).max()), bool((got.argmax(-1) == ref.argmax(-1)).all())]
+# generate on a mesh (params placed by param_shardings, as load(mesh=) places them) vs one device
+mesh = shd.make_mesh("data=2,expert=2,model=2")
+placed = jax.device_put(params, dg.param_shardings(cfg, mesh))
+s = dg.DiffusionGemmaSettings(max_new_tokens=2 * C, max_denoising_steps=3)
+one = dg.generate(dg.DiffusionGemma(cfg, params, C), np.asarray(prompt), s, seed=5)
+on_mesh = dg.generate(dg.DiffusionGemma(cfg, placed, C, mesh), np.asarray(prompt), s, seed=5)
+experts = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(placed) if "experts" in jax.tree_util.keystr(path)]
+out["generate"] = [bool((one == on_mesh).all()), min(len(e.sharding.device_set) for e in experts),
+                   max(e.addressable_shards[0].data.size / e.size for e in experts if e.ndim == 3)]
 print(json.dumps(out))
 """
 
@@ -49,5 +59,7 @@ def test_expert_parallel_logits_equal_one_device():
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    same, devices, shard_fraction = out.pop("generate")
+    assert same and devices == 8 and shard_fraction <= 0.25, (same, devices, shard_fraction)  # experts split 4 ways
     for spec, (rel, same_argmax) in out.items():
         assert rel <= 2e-6 and same_argmax, (spec, rel, same_argmax)

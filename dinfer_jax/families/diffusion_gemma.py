@@ -12,13 +12,16 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from dinfer_jax import sharding as shd
 from dinfer_jax.decoding import entropy_bound as eb
-from dinfer_jax.models.gemma4 import FULL, SLIDING, EncoderCache, Gemma4Config, Gemma4Diffusion
+from dinfer_jax.models.gemma4 import FULL, SLIDING, EncoderCache, Gemma4Config, Gemma4Diffusion, boxed_params
 from dinfer_jax.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)
@@ -171,14 +174,38 @@ def _shared_aliases(name: str) -> list[str]:
     return [name]
 
 
-def load(folder, dtype=None) -> "DiffusionGemma":
+def check_mesh(cfg: Gemma4Config, mesh) -> None:
+    """ValueError naming the mesh when the experts cannot split over its "expert" axis or their width
+    over its "model" axis."""
+    ep, tp = mesh.shape["expert"], mesh.shape["model"]
+    if cfg.num_experts % ep or cfg.moe_intermediate_size % tp:
+        raise ValueError(f"mesh {shd.mesh_summary(mesh)}: the {cfg.num_experts} experts must split over expert={ep} "
+                         f"and their width {cfg.moe_intermediate_size} over model={tp}")
+
+
+def param_shardings(cfg: Gemma4Config, mesh, dtype=jnp.float32):
+    """The param tree's NamedShardings on `mesh`, read from the layers' logical axes (non-strict: a
+    dim that does not split stays whole)."""
+    boxed = jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype))
+    specs, shapes = nn.get_partition_spec(boxed), nn.meta.unbox(boxed)
+
+    def place(path, sds, spec):
+        what = "/".join(str(getattr(k, "key", k)) for k in path)
+        return NamedSharding(mesh, shd.logical_spec(tuple(spec), tuple(sds.shape), mesh, what=what))
+    return jax.tree_util.tree_map_with_path(place, shapes, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def load(folder, dtype=None, mesh=None) -> "DiffusionGemma":
     """A DiffusionGemma HF folder (config.json + *.safetensors / .bin) -> DiffusionGemma, its text
-    part read tensor by tensor (the vision tower is not loaded: text prompts only)."""
+    part read tensor by tensor (the vision tower is not loaded: text prompts only). mesh: a
+    sharding.make_mesh mesh the params are placed on (experts over "expert"; None: one device)."""
     from converters.sources import open_source
     folder = os.fspath(folder)
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
     cfg, canvas = config_from_hf(hf)
+    if mesh is not None:
+        check_mesh(cfg, mesh)
     dtype = (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16) if dtype is None else dtype
     src = open_source(folder)
     names = set(src.specs)
@@ -199,21 +226,25 @@ def load(folder, dtype=None) -> "DiffusionGemma":
         src.close()
     if any(n.startswith("model.encoder.vision_tower.") for n in names):
         log.info("%s: the vision tower is not loaded (text prompts only)", folder)
-    return DiffusionGemma(cfg, params, canvas)
+    if mesh is not None:
+        params = jax.device_put(params, param_shardings(cfg, mesh, dtype))
+    return DiffusionGemma(cfg, params, canvas, mesh)
 
 
 # ---- the model and its entry points
 
 @dataclasses.dataclass(frozen=True)
 class DiffusionGemma:
-    """A loaded model: config, canvas length, params (models/gemma4.py's tree)."""
+    """A loaded model: config, canvas length, params (models/gemma4.py's tree), and the mesh they
+    are placed on (None: one device)."""
     cfg: Gemma4Config
     params: Any
     canvas_length: int = DEFAULT_CANVAS_LENGTH
+    mesh: Any = None
 
     @property
     def module(self) -> Gemma4Diffusion:
-        return Gemma4Diffusion(self.cfg, jax.tree_util.tree_leaves(self.params)[0].dtype)
+        return Gemma4Diffusion(self.cfg, jax.tree_util.tree_leaves(self.params)[0].dtype, self.mesh)
 
     def logits(self, prompt_ids, *, canvas=None, self_conditioning=None) -> np.ndarray:
         """The decoder's fp32 (B, C, V) logits over `canvas` (B, C) after the encoder encoded

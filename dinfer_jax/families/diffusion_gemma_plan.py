@@ -22,16 +22,9 @@ from dinfer_jax.models.gemma4 import Gemma4Config, Gemma4Diffusion, boxed_params
 
 def abstract_params(cfg: Gemma4Config, mesh, dtype=jnp.bfloat16):
     """The param tree as ShapeDtypeStructs, each with its NamedSharding on `mesh` (logical axes, non-strict)."""
-    boxed = jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype))
-    specs = nn.get_partition_spec(boxed)
-    shapes = nn.meta.unbox(boxed)
-
-    def place(sds, spec, path):
-        what = "/".join(str(getattr(k, "key", k)) for k in path)
-        ps = shd.logical_spec(tuple(spec), tuple(sds.shape), mesh, what=what)
-        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=NamedSharding(mesh, ps))
-    return jax.tree_util.tree_map_with_path(lambda path, s, p: place(s, p, path), shapes, specs,
-                                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    shapes = nn.meta.unbox(jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype)))
+    return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                                  dg.param_shardings(cfg, mesh, dtype))
 
 
 def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec=None, *, batch: int = 1,
@@ -47,10 +40,10 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
     mesh = tpu_plan.topology_mesh(topo, mesh_spec or {"data": 1, "expert": len(topo.devices), "model": 1})
     if batch % math.prod(mesh.shape[a] for a in shd.batch_axes(batch, mesh)):
         raise tpu_plan.PlanError(f"batch {batch} does not split over the mesh {shd.mesh_summary(mesh)}")
-    ep, tp = mesh.shape["expert"], mesh.shape["model"]
-    if cfg.num_experts % ep or cfg.moe_intermediate_size % tp:
-        raise tpu_plan.PlanError(f"mesh {shd.mesh_summary(mesh)}: the {cfg.num_experts} experts must split over "
-                                 f"expert={ep} and their width {cfg.moe_intermediate_size} over model={tp}")
+    try:
+        dg.check_mesh(cfg, mesh)
+    except ValueError as e:
+        raise tpu_plan.PlanError(str(e)) from None
     params = abstract_params(cfg, mesh, dtype)
     data = NamedSharding(mesh, P(shd.batch_axes(batch, mesh) or None))
     repl = NamedSharding(mesh, P())
