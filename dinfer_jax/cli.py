@@ -329,15 +329,13 @@ def _add_compile_cache_flag(p):
                         "else ~/.cache/dinfer-jax/jax-compile): a second start reads its programs from disk")
 
 
-def _generate_diffusion_gemma(a, model_dir: str):
-    """`generate` on a DiffusionGemma folder (uniform-noise diffusion, families/diffusion_gemma.py):
-    its generation_config.json settings (the reference's defaults under them), --gen-length as
-    max_new_tokens, --steps as max_denoising_steps, --seed, --mesh (one host). The other decoding
-    flags do not apply."""
+def _diffusion_gemma_model(a, model_dir: str):
+    """(settings, model) of a DiffusionGemma folder for generate / chat: its generation_config.json
+    settings (the reference's defaults under them) with --gen-length as max_new_tokens, --steps as
+    max_denoising_steps; loaded on --mesh (one host). ValueError naming the flags that do not apply."""
     from dinfer_jax import compile_cache, sharding
     from dinfer_jax.families import diffusion_gemma as dgf
     from dinfer_jax.families import read_generation_config
-    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
     given = [n for n in tuple(_dest(n) for n in _DECODING_FLAGS if n != "gen_length") + (
                  "edit_mode", "prompts_file", "show_canvas", "suffix", "infill", "json_schema", "json_object", "regex",
                  "choice", "span") if n not in ("steps", "seed") and getattr(a, n, None) not in (None, False)]
@@ -351,11 +349,22 @@ def _generate_diffusion_gemma(a, model_dir: str):
     compile_cache.enable(a.compile_cache)
     settings = dgf.settings_from_generation_config(read_generation_config(model_dir))
     upd = {k: v for k, v in (("max_new_tokens", getattr(a, "gen_length", None)),
-                             ("max_denoising_steps", a.steps)) if v is not None}
+                             ("max_denoising_steps", getattr(a, "steps", None))) if v is not None}
     settings = dataclasses.replace(settings, **upd)
+    return settings, dgf.load(model_dir, mesh=sharding.make_mesh(a.mesh) if getattr(a, "mesh", None) else None)
+
+
+def _generate_diffusion_gemma(a, model_dir: str):
+    """`generate` on a DiffusionGemma folder (uniform-noise diffusion, families/diffusion_gemma.py):
+    its generation_config.json settings (the reference's defaults under them), --gen-length as
+    max_new_tokens, --steps as max_denoising_steps, --seed, --mesh (one host). The other decoding
+    flags do not apply."""
+    from dinfer_jax import sharding
+    from dinfer_jax.families import diffusion_gemma as dgf
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
+    settings, model = _diffusion_gemma_model(a, model_dir)
     tok = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
     ids = _prompt_ids(a, tok, model_dir)
-    model = dgf.load(model_dir, mesh=sharding.make_mesh(a.mesh) if getattr(a, "mesh", None) else None)
     t = time.perf_counter()
     out = dgf.generate(model, [ids], settings, seed=a.seed or 0)[0]
     seconds = time.perf_counter() - t
@@ -610,31 +619,71 @@ CHAT_COMMANDS = ("/reset", "/exit", "/quit")
 
 
 def cmd_chat(a):
-    """Interactive chat: one user message per stdin line, answers streamed to stdout block by block."""
+    """Interactive chat: one user message per stdin line, answers streamed to stdout block by block
+    (DiffusionGemma: written whole, its canvases are not streamed)."""
     import numpy as np
     from dinfer_jax import compile_cache, generate
     from dinfer_jax.chat import ChatFormatter
-    from dinfer_jax.tokenizer import has_tokenizer
-    compile_cache.enable(a.compile_cache)
+    from dinfer_jax.families.diffusion_gemma import is_folder
+    from dinfer_jax.tokenizer import has_tokenizer, load_tokenizer
     model_dir = _model_dir(a)
     if not has_tokenizer(model_dir):
         raise ValueError(f"chat needs {os.path.join(model_dir, 'tokenizer.json')} (text in, text out); this folder "
                          "has none: use generate --prompt-ids")
-    from dinfer_jax.tokenizer import load_tokenizer
     tok = load_tokenizer(model_dir)
+    if is_folder(model_dir):
+        return _chat_loop(a, tok, *_diffusion_gemma_chat(a, model_dir, tok))
+    compile_cache.enable(a.compile_cache)
     sp = _sampling_params(a, model_dir)
     model = _load_model(a, model_dir)
     cfg = model.config
-    fmt = ChatFormatter(model_dir, cfg.family)
     stops = frozenset() if sp.ignore_eos else cfg.stop_ids
+
+    def answer(ids):
+        out = _AnswerStream(tok.decode, stops, cfg.mask_token_id, sp.block_length, sys.stdout)
+        r = generate(model, [np.asarray(ids)], sp, observer=None if a.no_stream else out)
+        text = out.finish(ids_until_stop(r.raw_ids[0], stops, cfg.mask_token_id)[0])
+        return text, f"{r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s"
+    banner = f"gen {sp.gen_length}, block {sp.block_length}, {sp.strategy} / {sp.cache}"
+    return _chat_loop(a, tok, ChatFormatter(model_dir, cfg.family), cfg.max_position_embeddings, sp.gen_length,
+                      answer, banner)
+
+
+def _diffusion_gemma_chat(a, model_dir: str, tok):
+    """DiffusionGemma's chat pieces for _chat_loop: the folder's own chat template (no built-in one:
+    ChatTemplateError when the folder has none) and a turn decoded by families/diffusion_gemma.generate."""
+    from dinfer_jax.chat import ChatFormatter
+    from dinfer_jax.families import diffusion_gemma as dgf
+    fmt = ChatFormatter(model_dir, "diffusion_gemma")
+    settings, model = _diffusion_gemma_model(a, model_dir)
+    turns = [0]
+
+    def answer(ids):
+        t = time.perf_counter()
+        out = dgf.generate(model, [ids], settings, seed=(a.seed or 0) + turns[0])[0]
+        turns[0] += 1
+        kept = [int(x) for x in out]
+        eos = [i for i, x in enumerate(kept) if x in settings.eos_token_id]
+        text = tok.decode(kept[:eos[0]] if eos else kept)
+        print(text, flush=True)
+        return text, f"{len(out) // model.canvas_length} canvas(es), {time.perf_counter() - t:.2f}s"
+    banner = f"DiffusionGemma, max_new_tokens {settings.max_new_tokens}, canvas {model.canvas_length}"
+    with open(os.path.join(model_dir, "config.json")) as f:  # the text model's positions (load read it already)
+        max_positions = int(json.load(f).get("text_config", {}).get("max_position_embeddings", 2**31))
+    return fmt, max_positions, settings.max_new_tokens, answer, banner
+
+
+def _chat_loop(a, tok, fmt, max_positions: int, gen_length: int, answer, banner: str):
+    """The chat REPL: each stdin line is a user message; the conversation (with --system) rendered by
+    `fmt`, oldest exchanges dropped past max_positions, answered by answer(prompt ids) -> (text,
+    stats line). A bad message is reported and the conversation goes on."""
     system = [{"role": "system", "content": a.system}] if a.system else []
     if a.system:
         tok.encode_prompt(a.system, "--system")
     history: list[dict] = []
     interactive = sys.stdin.isatty()
-    print(f"dinfer-jax chat: {os.path.basename(os.path.normpath(model_dir))} (gen {sp.gen_length}, block "
-          f"{sp.block_length}, {sp.strategy} / {sp.cache}); /reset clears the history, /exit or EOF quits",
-          file=sys.stderr, flush=True)
+    print(f"dinfer-jax chat: {os.path.basename(os.path.normpath(_model_dir(a)))} ({banner}); /reset clears the "
+          f"history, /exit or EOF quits", file=sys.stderr, flush=True)
     while True:
         try:
             line = input("> " if interactive else "")
@@ -659,22 +708,20 @@ def cmd_chat(a):
             while True:
                 text = fmt(system + history + [user])
                 ids = tok.encode_prompt(text, "the chat prompt", allow_special=True)
-                if len(ids) + sp.gen_length <= cfg.max_position_embeddings or not history:
+                if len(ids) + gen_length <= max_positions or not history:
                     break
                 history = history[2:]  # the oldest exchange
                 print("[the oldest exchange was dropped: the conversation exceeds the model's "
-                      f"{cfg.max_position_embeddings} positions]", file=sys.stderr, flush=True)
+                      f"{max_positions} positions]", file=sys.stderr, flush=True)
             if a.show_prompt:
                 print(f"[prompt: {len(ids)} tokens]\n{text}\n[/prompt]", file=sys.stderr, flush=True)
-            out = _AnswerStream(tok.decode, stops, cfg.mask_token_id, sp.block_length, sys.stdout)
-            r = generate(model, [np.asarray(ids)], sp, observer=None if a.no_stream else out)
+            reply, stats = answer(ids)
         except ValueError as e:  # this message only: the conversation goes on
             print(f"dinfer-jax: error: {_message(e)}", file=sys.stderr, flush=True)
             continue
-        answer = out.finish(ids_until_stop(r.raw_ids[0], stops, cfg.mask_token_id)[0])
-        history += [user, {"role": "assistant", "content": answer}]
+        history += [user, {"role": "assistant", "content": reply}]
         if interactive:
-            print(f"[{r.nfe[0]} forwards, {r.tpf[0]:.2f} tokens/forward, {r.seconds:.2f}s]", file=sys.stderr)
+            print(f"[{stats}]", file=sys.stderr)
 
 
 def cmd_eval(a):

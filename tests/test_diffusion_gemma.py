@@ -296,3 +296,28 @@ def test_left_padded_batch_matches_reference(ref_model, ours):
     unpadded, _ = _recorded_generate(ref_model, prompt, seed=5, **case)
     assert (ref_ids != unpadded).any()  # the mask matters
     np.testing.assert_array_equal(dg.generate_with_draws(ours, prompt, draws, prompt_mask=mask, **case), ref_ids)
+
+
+def test_cli_chat_renders_the_folders_template(hf_folder, tmp_path):
+    """`chat` on a DiffusionGemma folder: its own chat template renders the conversation (history
+    included), each turn is decoded by the DiffusionGemma loop; a folder without a template is a
+    one-line error (no Gemma 4 template is built in)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from dinfer_jax.checkpoint import DEMO_MODEL_DIR
+    d = tmp_path / "dg"
+    shutil.copytree(hf_folder, d)
+    shutil.copy(f"{DEMO_MODEL_DIR}/tokenizer.json", d)  # character-level; no spaces below (their ids are >= 96)
+    exe = [sys.executable, "-m", "dinfer_jax.cli", "chat", "--model", str(d), "--show-prompt", "--compile-cache", "off"]
+    r = subprocess.run(exe, input="hi\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "no chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}{{ m['role'][0] }}:"
+                   "{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"}, f)
+    r = subprocess.run(exe, input="hi\nho\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    answers = r.stdout.splitlines()
+    assert len(answers) == 2, r.stdout
+    assert "u:hi;a:\n" in r.stderr and f"u:hi;a:{answers[0]};u:ho;a:\n" in r.stderr, r.stderr[-2000:]
