@@ -2,9 +2,11 @@
 devices (nothing runs, no weights read), over abstract params sharded on a ("data", "expert",
 "model") mesh. `compile_plan(cfg, canvas_length, topology, mesh_spec, batch=, prompt_len=,
 max_new_tokens=)` -> dict with the fields of `dinfer-jax plan --json` that apply (per_chip_bytes,
-fits, collectives, ...). Sharding rules: docs/internals/families.md (DiffusionGemma)."""
+fits, collectives, ...); `export_generate` exports the same program for any platform (CUDA
+included) from one device. Sharding rules: docs/internals/families.md (DiffusionGemma)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -85,3 +87,20 @@ class _Bound:
 
     def trace(self, *args):
         return dg._generate.trace(*self.static, *args)
+
+
+def export_generate(cfg: Gemma4Config, canvas_length: int, platform: str, *, batch: int = 1, prompt_len: int = 256,
+                    max_new_tokens: int = 256, stability_threshold: int = 1, dtype=jnp.bfloat16):
+    """The whole generate program (one device) exported with jax.export for `platform` ("cuda",
+    "tpu", ...) from abstract params: no weights in memory, nothing compiled -> jax.export.Exported."""
+    from jax import export
+    shapes = nn.meta.unbox(jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype)))
+    C, n_canvases = canvas_length, -(-max_new_tokens // canvas_length)
+    sds = jax.ShapeDtypeStruct
+    draws = dg._Draws(*(sds((n, batch, C), jnp.int32) for n in (4, 64, 64)))
+    knobs = jax.tree_util.tree_map(lambda x: sds(np.shape(x), x.dtype),
+                                   dg._Knobs.of(dg.DiffusionGemmaSettings(max_new_tokens=max_new_tokens), False))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    fn = jax.jit(functools.partial(dg._generate, Gemma4Diffusion(cfg, dtype), C, n_canvases, stability_threshold))
+    return export.export(fn, platforms=[platform])(shapes, sds((batch, prompt_len), jnp.int32),
+                                                   sds((batch, prompt_len), jnp.bool_), draws, key, knobs)
