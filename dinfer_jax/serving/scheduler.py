@@ -350,7 +350,7 @@ class Scheduler:
                 self._recent.popleft()
             window = max(1e-9, min(60.0, now - self._t0))
             s["tokens_per_second"] = sum(n for _, n in self._recent) / window
-        s["programs_evicted"] = self.gen.programs.evicted
+        s["programs_evicted"] = self.gen.programs.evicted + self.gen.movers.evicted  # decoding programs + row movers
         pc = getattr(self.gen, "prefix_cache", None)
         if pc is not None and pc.enabled:
             s["prefix_cache"] = pc.snapshot()
@@ -391,8 +391,8 @@ class Scheduler:
             ("dinfer:compile_timeouts_total", "counter", "background compiles that ran past --compile-watchdog",
              s["compile_timeouts"]),
             ("dinfer:warmup_programs", "gauge", "programs compiled by --warmup", s["warmup_programs"]),
-            ("dinfer:programs_evicted_total", "counter", "compiled programs dropped from the program cache "
-             "(each is compiled again when next needed)", s["programs_evicted"]),
+            ("dinfer:programs_evicted_total", "counter", "compiled programs (decoding programs and row movers) dropped "
+             "from their program caches (each is compiled again when next needed)", s["programs_evicted"]),
         ]
         if "background_compiles" in s:
             rows.append(("dinfer:background_compiles_total", "counter", "programs compiled off the scheduler "
