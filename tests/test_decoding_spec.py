@@ -89,3 +89,12 @@ def test_each_rule_blames_its_own_field():
             check_rules(dataclasses.replace(SamplingParams(), **kw))
         assert e.value.field == field, (field, str(e.value))
     check_rules(SamplingParams())
+
+
+def test_the_servers_fields_are_documented():
+    import os
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                            "openai_fields.md")).read()
+    missing = [n for n, s in SETTINGS.items() if s.server and n not in ("temperature", "seed", "top_p")
+               and f"| `{n}` |" not in doc]
+    assert not missing, f"docs/openai_fields.md lists no row for {missing}"
