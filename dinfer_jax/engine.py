@@ -183,8 +183,7 @@ class GenerationResult:
 
     nfe: forwards this prompt took part in; tpf: generated non-EOS tokens / nfe.
     batch_nfe_full / batch_nfe_window: forwards the batch program actually ran, by kind;
-    batch_nfe_partial / batch_nfe_window_partial: of the full / window ones, those that ran on a
-    gathered subset of the rows.
+    batch_nfe_partial: of the full ones, those that ran on a gathered subset of the rows.
     """
     token_ids: list[list[int]]
     raw_ids: np.ndarray
@@ -207,7 +206,6 @@ class GenerationResult:
     commit_steps: list[list[int]] | None = None
     token_logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
-    batch_nfe_window_partial: int = 0
 
 
 def _prompt_rows(prompts, check_ids) -> list[np.ndarray]:
@@ -583,8 +581,7 @@ class Generator:
         return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
                                 stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
                                 edits, ins, dels, subf, int(stats.get("nfe_partial", 0)),
-                                [r[0] for r in recs], lp, [r[2] for r in recs] if lp is not None else None,
-                                int(stats.get("nfe_window_partial", 0)))
+                                [r[0] for r in recs], lp, [r[2] for r in recs] if lp is not None else None)
 
 
 def templated_params(per_row: list, templates: list) -> list:

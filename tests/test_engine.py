@@ -115,18 +115,6 @@ def test_partial_full_refresh_matches_reference(model, n, kw):
     assert 0 < r.batch_nfe_partial < r.batch_nfe_full
 
 
-@pytest.mark.parametrize("n,cache", [(8, "dual"), (8, "vicinity"), (4, "vicinity")])
-def test_gathered_window_forward_matches_reference(model, n, cache):
-    """A step where at most B/2 rows need the cached window forward runs it on those rows only
-    (gathered, their block's K/V written into the carried cache in place). Every row still decodes
-    as the host-loop reference decodes it alone, and the gathered path did run."""
-    p = dataclasses.replace(BASE, gen_length=32, strategy="threshold", cache=cache)
-    r = generate(model, PROMPTS_8[:n], p)
-    for i, prompt in enumerate(PROMPTS_8[:n]):
-        assert r.raw_ids[i].tolist() == reference_generate(model, prompt, p)[0], f"row {i}"
-    assert 0 < r.batch_nfe_window_partial <= r.batch_nfe_window, (r.batch_nfe_window_partial, r.batch_nfe_window)
-
-
 @pytest.mark.parametrize("cache,align", [("none", False), ("dual", False), ("vicinity", False), ("dual", True),
                                          ("prefix", True)])
 def test_smoothing_and_alignment_match_reference(model, cache, align):

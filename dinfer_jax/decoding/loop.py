@@ -98,8 +98,6 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         first_B = jnp.full((B,), gen_start, jnp.int32)
     n_blocks_B = (gen_end_B - first_B + Bk - 1) // Bk
     base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
-    gathered_windows = (spec.cache in ("dual", "vicinity") and not spec.smoothing and bool(refresh_rows)
-                        and max(refresh_rows) < B)
 
     def block_start(blk_B):
         return first_B + blk_B * Bk
@@ -109,7 +107,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         return CanvasLoopState(
             x=canvas_BL, blk=zeros_B, stp=zeros_B, it=zeros_B, done=~active_B, n_entry=zeros_B, row_nfe=zeros_B,
             steps_per_block=jnp.zeros((B, spec.num_blocks), jnp.int32),
-            nfe_full=zero, nfe_window=zero, nfe_partial=zero, nfe_window_partial=zero, iters=zero,
+            nfe_full=zero, nfe_window=zero, nfe_partial=zero, iters=zero,
             record=commit_record_init(B, Lc, spec),
             kv=(None if spec.cache == "none"
                 else empty_cache(cfg.num_layers, B, Lc, cfg.num_kv_heads, cfg.head_dim, module.dtype)),
@@ -190,14 +188,9 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         if spec.cache != "none":
             kv = kv_full
             new_state["kv"] = kv
-            if gathered_windows:  # the window forward on the rows that need it only
-                logits_win, new_state["kv"], gathered = _gathered_window_forward(
-                    spec, fwd, x, kv, start_B, positions_BL, key_mask_BL, need_win, refresh_rows, V)
-                new_state["nfe_window_partial"] = s.nfe_window_partial + gathered.astype(jnp.int32)
-            else:
-                logits_win, soft_win, win_start = _window_forward(
-                    spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s.blk, need_win, gen_start,
-                    Lc, B, V, module, params)
+            logits_win, soft_win, win_start = _window_forward(
+                spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s.blk, need_win, gen_start,
+                Lc, B, V, module, params)
             logits = jnp.where(need_full[:, None, None], logits_full, logits_win)
         if spec.smoothing:
             soft = jnp.where(need_full[:, None, None], soft_full, soft)
@@ -267,48 +260,6 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         return s.replace(**new_state)
 
     return init, body
-
-
-def _gathered_window_forward(spec, fwd, x, kv, start_B, positions_BL, key_mask_BL, need_win, sizes, V):
-    """The dual / vicinity window forward on the rows that need it: n of them run as the smallest
-    gathered batch of `sizes` >= n (all B past the largest; none when n = 0), their window's fresh
-    K/V written into the carried cache in place (harmless: the row's next window recomputes those
-    positions and reads only the others, and a block start refreshes the whole row) -> (block
-    logits (B, Bk, V), kv, whether rows were gathered). Equal, row by row, to `_window_forward`."""
-    B, Bk, sh = x.shape[0], spec.block_length, spec.logit_shift
-    off = 0 if spec.cache == "dual" else spec.prefix_look
-    ext = max(0, sh - off)  # shifted logits: the window holds the row before the block (a query only)
-    size = (Bk if spec.cache == "dual" else spec.prefix_look + Bk + spec.after_look) + ext
-    fresh = jnp.arange(size) >= ext  # the extra left position is a query only: its K/V stay the cached ones
-
-    def forward(rows):  # rows (R,) distinct, need_win rows first; None: all B
-        take = (lambda a: a) if rows is None else (lambda a: jnp.take(a, rows, axis=0))
-        ws = take(start_B) - off - ext
-        R = ws.shape[0]
-        write = take(need_win)[:, None] & fresh[None, :]
-        with jax.named_scope("forward_window"):
-            logits, kv_new = fwd(tokens=window_slice(take(x), ws, size), soft=None,
-                                 positions_BS=window_slice(take(positions_BL), ws, size), key_mask_BL=take(key_mask_BL),
-                                 kv=kv, window_start=ws, kv_write_BS=write,
-                                 logits_window=(jnp.full((R,), off + ext - sh, jnp.int32), Bk),
-                                 key_positions_BL=take(positions_BL), kv_in_place=True, kv_rows=rows)
-        logits = logits.astype(jnp.float32)
-        if rows is not None:
-            logits = jnp.zeros((B, Bk, V), jnp.float32).at[rows].set(logits)
-        return logits, kv_new
-
-    def gathered(R, _):
-        return forward(jnp.argsort(~need_win, stable=True)[:R])
-
-    def skip(_):
-        return jnp.zeros((B, Bk, V), jnp.float32), kv
-
-    sizes = tuple(sorted(set(sizes)))
-    n = jnp.sum(need_win)
-    branch = jnp.where(n == 0, 0, 1 + jnp.sum(n > jnp.asarray(sizes, jnp.int32)))
-    logits, kv = jax.lax.switch(branch, (skip, *(functools.partial(gathered, R) for R in sizes),
-                                         lambda _: forward(None)), None)
-    return logits, kv, (branch > 0) & (branch <= len(sizes))
 
 
 def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, blk_B, need_win, gen_start,

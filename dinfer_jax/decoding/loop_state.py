@@ -34,7 +34,7 @@ class CanvasLoopState:
     """The full-canvas loop (cache none / prefix / dual / vicinity). Per row (B,): blk (block
     index), stp (step within the block), it (steps since admission), done, n_entry (masks when the
     block started), row_nfe; steps_per_block (B, NB); batch-wide counters (): nfe_full,
-    nfe_window, nfe_partial / nfe_window_partial (of those, the forwards on gathered rows), iters. Optional: kv ((layers, B, L, K*H) x 2, cached modes), credit
+    nfe_window, nfe_partial, iters. Optional: kv ((layers, B, L, K*H) x 2, cached modes), credit
     (B, S, V) fp32 (strategy credit), soft (B, L, D) (smoothing)."""
     x: Array
     blk: Array
@@ -47,7 +47,6 @@ class CanvasLoopState:
     nfe_full: Array
     nfe_window: Array
     nfe_partial: Array
-    nfe_window_partial: Array
     iters: Array
     record: CommitRecord
     kv: Optional[tuple] = None
@@ -57,8 +56,7 @@ class CanvasLoopState:
     def stats(self) -> dict[str, Array]:
         """The counters a finished or paused loop reports (generate_loop's stats; GenerationResult's counters)."""
         return dict(nfe_full=self.nfe_full, nfe_window=self.nfe_window, iters=self.iters, row_nfe=self.row_nfe,
-                    steps_per_block=self.steps_per_block, done=self.done, nfe_partial=self.nfe_partial,
-                    nfe_window_partial=self.nfe_window_partial)
+                    steps_per_block=self.steps_per_block, done=self.done, nfe_partial=self.nfe_partial)
 
 
 @flax.struct.dataclass
