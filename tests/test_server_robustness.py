@@ -318,8 +318,8 @@ def test_watchdog_answers_a_stuck_batch_and_the_server_recovers(scheduler):
 
 def test_a_new_length_compiles_without_delaying_warmed_lengths():
     """Continuous scheduler, max_tokens 16 warmed: while a request of a new length (a new program)
-    waits for its compile, the compile runs on the compile thread and steady clients go on being
-    answered inside the compile's window."""
+    waits for its compile, the compile runs on the compile thread, no steady request joins a batch
+    that is still compiling, and steady clients go on being answered inside the compile's window."""
     model, tok = demo()
     cfg = ServerConfig(model_name="demo", max_batch=4, warmup=True, warmup_max_tokens=(16,), default_max_tokens=16)
     with InProcessServer(model, tok, cfg) as s:
@@ -341,6 +341,15 @@ def test_a_new_length_compiles_without_delaying_warmed_lengths():
             finally:
                 compiles.append((threading.current_thread().name, t0, time.perf_counter()))
         batcher.gen.warm_segment_programs = recorded_warm
+        placed = []  # (the job's gen_length, whether the batch it joined was still compiling)
+        real_place = batcher._place
+
+        def recorded_place(j, free, new_batches):
+            rb = real_place(j, free, new_batches)
+            if rb is not None:
+                placed.append((j.params.gen_length, rb.compiling is not None and not rb.compiling.done()))
+            return rb
+        batcher._place = recorded_place
         # Twice seen in full `-n 2` CI runs (never alone): the new length ran with no compile at all
         # (13 requests, 0 background compiles; cause not found). A second new length is tried then,
         # and both snapshots are printed if it happens again.
@@ -370,6 +379,8 @@ def test_a_new_length_compiles_without_delaying_warmed_lengths():
         else:
             raise AssertionError(f"no new program was compiled: {tries}")
         assert all(name.startswith("dinfer-compile") for name, _, _ in compiles), compiles
+        # no warmed-length job waits beside the new program's compile (its own programs are ready)
+        assert not [p for p in placed if p[0] == 16 and p[1]], placed
         name, c0, c1 = max(compiles, key=lambda c: c[2] - c[1])
         inside = [a for a in answered if c0 <= a[0] and a[1] <= c1]
         # A scheduler blocked by the compile answers no steady request that starts and ends inside it.
