@@ -354,6 +354,13 @@ def _diffusion_gemma_model(a, model_dir: str):
     return settings, dgf.load(model_dir, mesh=sharding.make_mesh(a.mesh) if getattr(a, "mesh", None) else None)
 
 
+def _diffusion_gemma_answer(out, settings) -> list[int]:
+    """A DiffusionGemma row's generated ids up to its first EOS (the rest is pad)."""
+    kept = [int(x) for x in out]
+    eos = [i for i, x in enumerate(kept) if x in settings.eos_token_id]
+    return kept[:eos[0]] if eos else kept
+
+
 def _generate_diffusion_gemma(a, model_dir: str):
     """`generate` on a DiffusionGemma folder (uniform-noise diffusion, families/diffusion_gemma.py):
     its generation_config.json settings (the reference's defaults under them), --gen-length as
@@ -373,9 +380,7 @@ def _generate_diffusion_gemma(a, model_dir: str):
         t = time.perf_counter()
         dgf.generate(model, [ids], settings, seed=a.seed or 0)
         timed = time.perf_counter() - t
-    kept = [int(x) for x in out]
-    eos = [i for i, x in enumerate(kept) if x in settings.eos_token_id]
-    kept = kept[:eos[0]] if eos else kept  # the answer: up to the first EOS (the rest is pad)
+    kept = _diffusion_gemma_answer(out, settings)
     text = tok.decode(kept) if tok is not None else None
     res = {"token_ids": kept, "text": text, "canvases": len(out) // model.canvas_length, "seconds": round(seconds, 4)}
     if model.mesh is not None:
@@ -662,9 +667,7 @@ def _diffusion_gemma_chat(a, model_dir: str, tok):
         t = time.perf_counter()
         out = dgf.generate(model, [ids], settings, seed=(a.seed or 0) + turns[0])[0]
         turns[0] += 1
-        kept = [int(x) for x in out]
-        eos = [i for i, x in enumerate(kept) if x in settings.eos_token_id]
-        text = tok.decode(kept[:eos[0]] if eos else kept)
+        text = tok.decode(_diffusion_gemma_answer(out, settings))
         print(text, flush=True)
         return text, f"{len(out) // model.canvas_length} canvas(es), {time.perf_counter() - t:.2f}s"
     banner = f"DiffusionGemma, max_new_tokens {settings.max_new_tokens}, canvas {model.canvas_length}"

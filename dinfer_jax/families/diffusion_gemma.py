@@ -183,16 +183,25 @@ def check_mesh(cfg: Gemma4Config, mesh) -> None:
                          f"and their width {cfg.moe_intermediate_size} over model={tp}")
 
 
-def param_shardings(cfg: Gemma4Config, mesh, dtype=jnp.float32):
-    """The param tree's NamedShardings on `mesh`, read from the layers' logical axes (non-strict: a
-    dim that does not split stays whole)."""
+def abstract_params(cfg: Gemma4Config, dtype=jnp.float32, mesh=None):
+    """The param tree as ShapeDtypeStructs (no weights), each with its NamedSharding on `mesh` read
+    from the layers' logical axes when a mesh is given (non-strict: a dim that does not split stays
+    whole)."""
     boxed = jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype))
     specs, shapes = nn.get_partition_spec(boxed), nn.meta.unbox(boxed)
+    if mesh is None:
+        return shapes
 
     def place(path, sds, spec):
         what = "/".join(str(getattr(k, "key", k)) for k in path)
-        return NamedSharding(mesh, shd.logical_spec(tuple(spec), tuple(sds.shape), mesh, what=what))
+        sharding = NamedSharding(mesh, shd.logical_spec(tuple(spec), tuple(sds.shape), mesh, what=what))
+        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
     return jax.tree_util.tree_map_with_path(place, shapes, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def param_shardings(cfg: Gemma4Config, mesh, dtype=jnp.float32):
+    """The param tree's NamedShardings on `mesh` (those of `abstract_params`)."""
+    return jax.tree_util.tree_map(lambda s: s.sharding, abstract_params(cfg, dtype, mesh))
 
 
 def load(folder, dtype=None, mesh=None) -> "DiffusionGemma":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,14 +18,7 @@ from jax.sharding import PartitionSpec as P
 from dinfer_jax import plan as tpu_plan
 from dinfer_jax import sharding as shd
 from dinfer_jax.families import diffusion_gemma as dg
-from dinfer_jax.models.gemma4 import Gemma4Config, Gemma4Diffusion, boxed_params
-
-
-def abstract_params(cfg: Gemma4Config, mesh, dtype=jnp.bfloat16):
-    """The param tree as ShapeDtypeStructs, each with its NamedSharding on `mesh` (logical axes, non-strict)."""
-    shapes = nn.meta.unbox(jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype)))
-    return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                                  dg.param_shardings(cfg, mesh, dtype))
+from dinfer_jax.models.gemma4 import Gemma4Config, Gemma4Diffusion
 
 
 def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec=None, *, batch: int = 1,
@@ -46,7 +38,7 @@ def compile_plan(cfg: Gemma4Config, canvas_length: int, topology: str, mesh_spec
         dg.check_mesh(cfg, mesh)
     except ValueError as e:
         raise tpu_plan.PlanError(str(e)) from None
-    params = abstract_params(cfg, mesh, dtype)
+    params = dg.abstract_params(cfg, dtype, mesh)
     data = NamedSharding(mesh, P(shd.batch_axes(batch, mesh) or None))
     repl = NamedSharding(mesh, P())
     C, n_canvases = canvas_length, -(-max_new_tokens // canvas_length)
@@ -94,7 +86,7 @@ def export_generate(cfg: Gemma4Config, canvas_length: int, platform: str, *, bat
     """The whole generate program (one device) exported with jax.export for `platform` ("cuda",
     "tpu", ...) from abstract params: no weights in memory, nothing compiled -> jax.export.Exported."""
     from jax import export
-    shapes = nn.meta.unbox(jax.eval_shape(lambda: boxed_params(cfg, dtype=dtype)))
+    shapes = dg.abstract_params(cfg, dtype)
     C, n_canvases = canvas_length, -(-max_new_tokens // canvas_length)
     sds = jax.ShapeDtypeStruct
     draws = dg._Draws(*(sds((n, batch, C), jnp.int32) for n in (4, 64, 64)))
