@@ -99,3 +99,18 @@ def test_the_servers_fields_are_documented():
     missing = [n for n, s in SETTINGS.items() if s.server and n not in ("temperature", "seed", "top_p")
                and f"| `{n}` |" not in doc]
     assert not missing, f"docs/openai_fields.md lists no row for {missing}"
+
+
+def test_a_choice_error_names_its_group():
+    with pytest.raises(InvalidParam, match=r"\(Dream's sampler\)") as e:
+        SamplingParams(gen_length=8, block_length=8, alg="bogus")
+    assert e.value.field == "alg"
+
+
+def test_a_hand_built_spec_refuses_what_its_loop_cannot_record():
+    """DecodeSpec's own invariants hold without SamplingParams' rules: indel moves tokens after
+    their logprob is recorded, so the spec itself refuses the pair."""
+    from dinfer_jax.decoding.spec import DecodeSpec
+    with pytest.raises(ValueError, match="logprobs does not combine with indel"):
+        DecodeSpec(gen_length=8, block_length=8, cache="block", indel=True, editing=True, logprobs=0)
+    DecodeSpec(gen_length=8, block_length=8, cache="block", indel=True, editing=True)

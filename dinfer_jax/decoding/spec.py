@@ -58,6 +58,7 @@ class InvalidParam(ValueError):
 
 INT, FLOAT, BOOL, CHOICE = "int", "float", "bool", "choice"
 GENERAL, DREAM_GROUP, BLOCK_GROUP = "", "dream", "block"
+GROUP_NOTES = {GENERAL: "", DREAM_GROUP: " (Dream's sampler)", BLOCK_GROUP: " (block diffusion)"}
 GROUP_TITLES = {DREAM_GROUP: "Dream's sampler (--strategy dream; Dream-7B / DiffuCoder)",
                 BLOCK_GROUP: "block diffusion (--cache block; LLaDA2.x); --top-k / --top-p also for --strategy dream"}
 
@@ -179,7 +180,7 @@ def check_field(name: str, v):
         return None
     if s.kind == CHOICE:
         if not isinstance(v, str) or v not in s.choices:
-            raise InvalidParam(name, f"{name}={v!r} is not one of {s.choices}")
+            raise InvalidParam(name, f"{name}={v!r} is not one of {s.choices}{GROUP_NOTES[s.group]}")
         return v
     if s.kind == BOOL:
         if not isinstance(v, (bool, np.bool_)):
@@ -377,6 +378,9 @@ class DecodeSpec:
         elif self.constraint_classes and self.indel:
             problems.append("a canvas template (infill, structured output) does not combine with indel "
                             "(insert/delete editing moves tokens across the template's fixed positions)")
+        if self.indel and self.logprobs != -1:
+            problems.append("logprobs does not combine with indel (insert/delete editing moves tokens between "
+                            "slots after their logprob was recorded)")
         if problems:
             raise ValueError("invalid decoding settings: " + "; ".join(problems))
 
