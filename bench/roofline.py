@@ -58,6 +58,7 @@ from bench.bench_loop import median_time  # noqa: E402
 from dinfer_jax.cache import cache_shape, merge_heads  # noqa: E402
 from dinfer_jax.config import ModelConfig  # noqa: E402
 from dinfer_jax.families import preset  # noqa: E402
+from dinfer_jax.kernels import KernelConfig, expert_impl  # noqa: E402
 from dinfer_jax.engine import PROMPT_BUCKET  # noqa: E402
 
 KINDS = ("full", "dual", "prefix", "vicinity")
@@ -295,7 +296,7 @@ def xla_cost(cfg: ModelConfig, kind: str, batch: int, prompt_len: int, gen_len: 
     a scan body is counted once."""
     from dinfer_jax.models import Transformer, abstract_params, unflatten
     gs, Lc = canvas_layout(kind, prompt_len, gen_len, prefix_look, after_look)
-    module = Transformer(cfg, moe_impl=moe_impl, dtype=dtype, attention_impl=attention_impl)
+    module = Transformer(cfg, dtype, KernelConfig(attention_impl, moe_impl))
     params = unflatten(abstract_params(cfg, dtype))
     f = forward_fn(module, kind_window_args(kind, gs, Lc, block, prefix_look, after_look), batch, Lc, gs,
                    prompt_len, block)
@@ -392,7 +393,7 @@ def time_forwards(cfg, params, dtype, kinds, batch, prompt_len, gen_len, block, 
                   attention_impl="auto", prefix_look=16, after_look=16) -> dict:
     """Median seconds of the real forward per window kind ({kind: seconds}); prefix: the mean over blocks."""
     from dinfer_jax.models import Transformer
-    module = Transformer(cfg, moe_impl=moe_impl, dtype=dtype, attention_impl=attention_impl)
+    module = Transformer(cfg, dtype, KernelConfig(attention_impl, moe_impl))
     out = {}
     layouts = {}
     for kind in kinds:
@@ -423,7 +424,6 @@ def time_parts(cfg, params, dtype, kind, batch, prompt_len, gen_len, block, repe
     attention block (projections, qk-norm, RoPE, cache write, core), attention core alone, MoE / MLP
     (router, sort, experts, combine), the expert grouped matmuls alone (MoE), final norm + LM head."""
     from dinfer_jax.models.layers import MLP, Attention, rms_normalize
-    from dinfer_jax.kernels import KernelConfig, expert_impl
     from dinfer_jax.models.forward_inputs import ForwardInputs
     from dinfer_jax.models.moe import MoE, route
     from dinfer_jax.kernels import attention

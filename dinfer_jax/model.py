@@ -13,6 +13,7 @@ import numpy as np
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax import sharding as shd
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.kernels import KernelConfig
 from dinfer_jax.models import Transformer, flatten, unflatten
 from dinfer_jax.models import placement
 from dinfer_jax.token_ids import check_token_ids
@@ -65,8 +66,8 @@ class Model:
 
     @functools.cached_property
     def module(self) -> Transformer:
-        return Transformer(self.config, moe_impl=self.moe_impl, dtype=self.dtype, attention_impl=self.attention_impl,
-                           mesh=self.mesh, platform=self.target_platform)
+        return Transformer(self.config, self.dtype, KernelConfig(self.attention_impl, self.moe_impl,
+                                                                 self.target_platform, self.mesh))
 
     @functools.cached_property
     def _forward(self):

@@ -25,6 +25,7 @@ import numpy as np
 from dinfer_jax import tasks as T
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.families import to_hf_dict
+from dinfer_jax.kernels import KernelConfig
 from dinfer_jax.tokenizer import EOS_TOKEN, MASK_TOKEN, Tokenizer, char_tokenizer
 
 # Decoding defaults stored with the demo model (the region it was trained to answer in).
@@ -305,7 +306,7 @@ def train(out: str | None, steps: int = 3000, batch: int = 64, lr: float = 2e-3,
     G = GEN_LENGTH
     if T.max_answer_chars() >= G:
         raise ValueError("answers must leave room for at least one EOS in the generation region")
-    module = Transformer(cfg, moe_impl=moe_impl)
+    module = Transformer(cfg, kernels=KernelConfig(experts=moe_impl))
     params = init_params(cfg, seed)
     opt, sched = make_optimizer(lr, steps, warmup)
     opt_state = opt.init(params)

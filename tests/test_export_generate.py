@@ -146,7 +146,7 @@ def test_model_platform_defaults_and_errors():
     params = init_params(cfg)
     assert Model(cfg, params).target_platform == jax.devices()[0].platform  # where the params live
     m = Model(cfg, params, platform="tpu")
-    assert m.module.platform == "tpu" and m.with_mesh(None).platform == "tpu"
+    assert m.module.kernels.platform == "tpu" and m.with_mesh(None).platform == "tpu"
     assert [resolve_impl("auto", p) for p in ("tpu", "cuda", "cpu")] == ["pallas", "ragged", "tiled"]
     with pytest.raises(ValueError, match="export platform 'metal' is not one of"):
         export_generate(cfg, "metal")

@@ -8,6 +8,7 @@ import pytest
 
 from dinfer_jax.cache import cache_shape
 from dinfer_jax.families import preset
+from dinfer_jax.kernels import KernelConfig
 from dinfer_jax.models import Transformer, init_params
 
 CFG = preset("tiny-llada2")  # first_k_dense = 1, MoE, block-causal
@@ -16,7 +17,7 @@ CFG = preset("tiny-llada2")  # first_k_dense = 1, MoE, block-causal
 @pytest.fixture(scope="module")
 def setup():
     assert CFG.first_k_dense == 1
-    module = Transformer(CFG, moe_impl="dense")
+    module = Transformer(CFG, kernels=KernelConfig(experts="dense"))
     params = init_params(CFG, seed=0)
     B, L = 3, 16
     rng = np.random.default_rng(0)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.models.moe import experts_dense, experts_ragged, experts_tiled, route
+from dinfer_jax.kernels import KernelConfig
 from pallas_kernels.moe import swiglu_experts_tiled
 
 pytestmark = pytest.mark.smoke
@@ -111,7 +112,7 @@ def test_layers_read_stacked_experts_in_place(rng, monkeypatch):
     from dinfer_jax.models import Transformer, init_params
     cfg = preset("tiny").replace(num_layers=3, hidden_size=64, intermediate_size=128, num_experts=8)
     params = init_params(cfg, seed=5)
-    module = Transformer(cfg, moe_impl="tiled")
+    module = Transformer(cfg, kernels=KernelConfig(experts="tiled"))
     B, L, S, ws = 2, 12, 4, 6
     ids = jnp.asarray(rng.randint(0, cfg.vocab_size - 3, (B, L)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax import tasks as T
+from dinfer_jax.kernels import KernelConfig
 
 
 @pytest.mark.smoke
@@ -116,7 +117,7 @@ def test_block_diffusion_loss_equals_full_forward_reference():
     Bs, G, P = 4, 8, 10
     cfg = demo_block_config(tok, Bs, hidden=32, layers=2, experts=8, expert_ffn=16, heads=4, kv_heads=2)
     params = init_params(cfg, seed=3)
-    module = Transformer(cfg, moe_impl="dense")
+    module = Transformer(cfg, kernels=KernelConfig(experts="dense"))
     probs = [{"prompt": "sort 3141=", "answer": "1134"}, {"prompt": "next ab=", "answer": "bc"},
              {"prompt": "add 1+2=", "answer": "0003"}]
     toks, pads = encode_problems(tok, probs, P, G, eos_id=cfg.eos_token_id, tail=Bs)

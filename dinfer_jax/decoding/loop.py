@@ -6,8 +6,9 @@ refresh rules, shifted logits and the commit record: docs/internals/decoding_loo
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -188,9 +189,10 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
         if spec.cache != "none":
             kv = kv_full
             new_state["kv"] = kv
+            rows = WindowRows(x=x, soft=soft, kv=kv, start_B=start_B, blk_B=s.blk, need_win=need_win,
+                              positions_BL=positions_BL, key_mask_BL=key_mask_BL)
             logits_win, soft_win, win_start = _window_forward(
-                spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, s.blk, need_win, gen_start,
-                Lc, B, V, module, params)
+                spec, fwd, functools.partial(_soft_embeddings, module, params), rows, gen_start, V)
             logits = jnp.where(need_full[:, None, None], logits_full, logits_win)
         if spec.smoothing:
             soft = jnp.where(need_full[:, None, None], soft_full, soft)
@@ -262,10 +264,26 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
     return init, body
 
 
-def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, blk_B, need_win, gen_start,
-                    Lc, B, V, module, params):
-    """Cached forward over each row's window -> (block logits (B, Bk, V), soft window | None, window starts)."""
+@flax.struct.dataclass
+class WindowRows:
+    """One step's rows as the window forward reads them (B rows, canvas Lc, D hidden)."""
+    x: jax.Array  # (B, Lc) canvas
+    soft: Optional[jax.Array]  # (B, Lc, D) soft embeddings (smoothing) | None
+    kv: Any  # the carried cache
+    start_B: jax.Array  # (B,) each row's block start
+    blk_B: jax.Array  # (B,) each row's block index
+    need_win: jax.Array  # (B,) rows that run the window forward this step
+    positions_BL: jax.Array  # (B, Lc)
+    key_mask_BL: jax.Array  # (B, Lc)
+
+
+def _window_forward(spec, fwd, soft_embed, rows: WindowRows, gen_start: int, V: int):
+    """Cached forward over each row's window -> (block logits (B, Bk, V), soft window | None, window
+    starts). fwd: the model forward (keywords of `_forward`); soft_embed: logits -> soft embeddings."""
     Bk, sh = spec.block_length, spec.logit_shift
+    x, soft, kv, start_B, blk_B, need_win = rows.x, rows.soft, rows.kv, rows.start_B, rows.blk_B, rows.need_win
+    positions_BL, key_mask_BL = rows.positions_BL, rows.key_mask_BL
+    B, Lc = x.shape
 
     def run(win_start, win_size, logits_offset, write):
         tokens = window_slice(x, win_start, win_size)
@@ -277,7 +295,7 @@ def _window_forward(spec, fwd, x, soft, kv, start_B, positions_BL, key_mask_BL, 
                             logits_window=lw, key_positions_BL=positions_BL)
         soft_new = None
         if spec.smoothing:
-            soft_new = _soft_embeddings(module, params, logits)
+            soft_new = soft_embed(logits)
             logits = window_slice(logits, logits_offset, Bk)
         return logits, soft_new
 

@@ -5,8 +5,6 @@ stack runs through stacked.scan_layers. Param tree and shapes: docs/internals/mo
 """
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -71,12 +69,10 @@ class Transformer(nn.Module):
     over positions_BS / key_positions_BL (docs/internals/model_code.md).
     """
     cfg: ModelConfig
-    moe_impl: str = "auto"
     dtype: jnp.dtype = jnp.float32
-    attention_impl: str = "auto"  # kernels.ATTENTION_IMPLS
-    mesh: Any = None  # a sharding.make_mesh mesh (params must be placed with models.placement.param_shardings)
+    # attention / expert paths, compile target, mesh (params placed with models.placement.param_shardings)
+    kernels: KernelConfig = KernelConfig()
     attention_block: int = 0  # block-causal models: attention block size (0: cfg.block_size)
-    platform: str | None = None  # compile target: "cpu" | "tpu" | "cuda"/"gpu" | "rocm"; None = jax.default_backend()
 
     @property
     def block_size(self) -> int:
@@ -84,11 +80,6 @@ class Transformer(nn.Module):
         if self.cfg.attention_mask != "block_causal":
             return 0
         return self.attention_block or self.cfg.block_size
-
-    @property
-    def kernels(self) -> KernelConfig:
-        """The static kernel / platform / mesh choices every layer compiles with."""
-        return KernelConfig(self.attention_impl, self.moe_impl, self.platform, self.mesh)
 
     def _stack(self, length: int, dense_ffn: bool):
         return nn.scan(  # over layers: (x carried; the inputs broadcast; each layer's kv)
@@ -117,8 +108,8 @@ class Transformer(nn.Module):
 
         def fn(p_i, x, kv_i):
             return layer.apply({"params": p_i}, x, inputs, kv_i)
-        return stacked.scan_layers(fn, self.variables["params"][name], x, kv, platform=self.platform, mesh=self.mesh,
-                                   update=update)
+        return stacked.scan_layers(fn, self.variables["params"][name], x, kv, platform=self.kernels.platform,
+                                   mesh=self.kernels.mesh, update=update)
 
     def embed_tokens(self, tokens_BS):
         """tokens_BS -> embeds_BSD (also used to build soft embeddings for iteration smoothing)."""
@@ -134,7 +125,7 @@ class Transformer(nn.Module):
         if kv_rows is not None and not kv_in_place:
             raise ValueError("Transformer: kv_rows gathers rows of a cache updated in place (kv_in_place=True)")
         x = self.embed(tokens_BS) if embeds_BSD is None else embeds_BSD.astype(self.dtype)
-        x = constrain(x, ACT_AXES, self.mesh)
+        x = constrain(x, ACT_AXES, self.kernels.mesh)
         B, S, _ = x.shape
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -167,7 +158,7 @@ class Transformer(nn.Module):
             logits = self.embed.attend(x)
         else:
             logits = self.lm_head(x)
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), self.mesh)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"), self.kernels.mesh)
 
 
 def _init_as_v1_kernel(key, shape, dtype):
