@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.attention.common import NEG, PAD, BlockSizes, mask_inputs, poison_alias, pow2_ceil, pow2_floor, round_up
-from pallas_kernels.attention.gpu_split import GPU_TARGET_PROGRAMS, flash_attention_gpu_split, gpu_in_specs, gpu_split
+from pallas_kernels.attention.gpu_split import (GPU_TARGET_PROGRAMS, combine_splits, gpu_in_specs, gpu_split,
+                                                split_outputs)
 
 GPU_SMEM_BUDGET = 96 * 1024  # bytes of K/V tiles in flight per program (of 227 KiB on Hopper, 163-227 on Ampere)
 
@@ -103,21 +104,27 @@ def flash_attention_gpu(q_BSNH, k_BLKH, v_BLKH, key_mask_BL, q_pos_BS, k_pos_BL,
     from jax.experimental.pallas import triton as pltriton
     params = None if interpret else pltriton.CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"])
     kernel = functools.partial(_gpu_kernel, scale=scale, bkv=bkv, num_kv_blocks=L_pad // bkv)
-    if n_split > 1:
-        return flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret,
-                                         poison_output).astype(q_BSNH.dtype)
-    out_shape = jax.ShapeDtypeStruct((B, K, nq, R, H), q_BSNH.dtype)
     q_spec, in_specs = gpu_in_specs(R, H, L_pad)
+    if n_split > 1:  # flash-decoding: fp32 partials per kv chunk, merged below
+        grid = (B, K, nq, n_split)
+        kernel = functools.partial(kernel, chunk_blocks=t["chunk_blocks"])
+        out_specs, out_shape = split_outputs(B, K, nq, n_split, R, H)
+    else:
+        grid, out_specs, out_shape = (B, K, nq), (q_spec,), (jax.ShapeDtypeStruct((B, K, nq, R, H), q_BSNH.dtype),)
     args = [q, k, v, qblk, kinfo]
-    aliases = poison_alias(in_specs, args, q_spec, out_shape) if poison_output else {}
-    out = pl.pallas_call(
+    aliases = {}
+    if poison_output:
+        for idx, (spec, shape) in enumerate(zip(out_specs, out_shape)):
+            aliases |= poison_alias(in_specs, args, spec, shape, idx)
+    outs = pl.pallas_call(
         kernel,
-        grid_spec=pl.GridSpec(grid=(B, K, nq), in_specs=in_specs, out_specs=q_spec),
+        grid_spec=pl.GridSpec(grid=grid, in_specs=in_specs, out_specs=out_specs),
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
         name="dlm_flash_attention",
     )(*args)
+    out = combine_splits(*outs).astype(q_BSNH.dtype) if n_split > 1 else outs[0]  # (B, K, nq, R, H)
     out = out.reshape(B, K, nq, G, bq, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, S_pad, N, H)
     return out[:, :S]

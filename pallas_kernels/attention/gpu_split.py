@@ -3,13 +3,9 @@ tile) program is cut into contiguous kv chunks whose fp32 partials are merged in
 splits: docs/internals/kernels.md."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-
-from pallas_kernels.attention.common import poison_alias
 
 GPU_TARGET_PROGRAMS = 132
 """Programs the Triton grid should offer before the kv axis is split: the SM count of the H200 (and
@@ -55,32 +51,11 @@ def gpu_in_specs(R: int, H: int, L_pad: int):
                     pl.BlockSpec((None, 2, L_pad), lambda b, j, i, *c: (b, 0, 0))]
 
 
-def flash_attention_gpu_split(q, k, v, qblk, kinfo, kernel, t, B, S, N, K, G, H, params, interpret, poison_output):
-    """The kv-split Triton body: grid (B, K, nq, n_split); fp32 partials acc (B, K, nq, n, R, H), m and
-    l (B, K, nq, n, R, 1) merged by combine_splits. Returns (B, S, N, H) fp32."""
-    bq, R, S_pad, L_pad, n = t["bq"], t["R"], t["S_pad"], t["L_pad"], t["n_split"]
-    nq = S_pad // bq
-    _, in_specs = gpu_in_specs(R, H, L_pad)
+def split_outputs(B: int, K: int, nq: int, n: int, R: int, H: int):
+    """(out_specs, out_shape) of the kv-split Triton body on grid (B, K, nq, n): fp32 partials acc
+    (B, K, nq, n, R, H), m and l (B, K, nq, n, R, 1), merged by combine_splits."""
     acc_spec = pl.BlockSpec((None, None, None, None, R, H), lambda b, j, i, c: (b, j, i, c, 0, 0))
     ml_spec = pl.BlockSpec((None, None, None, None, R, 1), lambda b, j, i, c: (b, j, i, c, 0, 0))
-    out_shape = (jax.ShapeDtypeStruct((B, K, nq, n, R, H), jnp.float32),
-                 jax.ShapeDtypeStruct((B, K, nq, n, R, 1), jnp.float32),
-                 jax.ShapeDtypeStruct((B, K, nq, n, R, 1), jnp.float32))
-    out_specs = (acc_spec, ml_spec, ml_spec)
-    args = [q, k, v, qblk, kinfo]
-    aliases = {}
-    if poison_output:
-        for idx, (spec, shape) in enumerate(zip(out_specs, out_shape)):
-            aliases |= poison_alias(in_specs, args, spec, shape, idx)
-    acc, m, l = pl.pallas_call(
-        functools.partial(kernel, chunk_blocks=t["chunk_blocks"]),
-        grid_spec=pl.GridSpec(grid=(B, K, nq, n), in_specs=in_specs, out_specs=out_specs),
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=params,
-        interpret=interpret,
-        name="dlm_flash_attention",
-    )(*args)
-    out = combine_splits(acc, m, l)  # (B, K, nq, R, H)
-    out = out.reshape(B, K, nq, G, bq, H).transpose(0, 2, 4, 1, 3, 5).reshape(B, S_pad, N, H)
-    return out[:, :S]
+    return (acc_spec, ml_spec, ml_spec), (jax.ShapeDtypeStruct((B, K, nq, n, R, H), jnp.float32),
+                                          jax.ShapeDtypeStruct((B, K, nq, n, R, 1), jnp.float32),
+                                          jax.ShapeDtypeStruct((B, K, nq, n, R, 1), jnp.float32))
