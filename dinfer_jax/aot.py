@@ -1,10 +1,5 @@
-"""Ahead-of-time export of the whole jitted generate program for an accelerator, from any host.
-
-`export_generate(cfg, "tpu" | "cuda" | "cpu", batch=, prompt_len=, sampling=)` builds a Model over
-abstract params targeting that platform, takes the Generator's own program and `jax.export`s it ->
-ExportReport (size, lowering time, Mosaic / Triton / interpreted kernel counts). From a CPU host this
-checks the TPU block-shape rules and the Pallas-to-Mosaic / -Triton lowerings (not the device
-compilers or run-time memory budgets; docs/accelerators.md).
+"""Ahead-of-time export of the whole jitted generate program for an accelerator, from any host:
+`export_generate(cfg, "tpu" | "cuda" | "cpu", ...)` -> ExportReport (docs/internals/runtime.md).
 
   python -m dinfer_jax.aot --model llada-8b --platform tpu cuda --cache none dual --batch 1 16 \
       [--mesh data=2,expert=4 --fake-devices 8] [--json OUT.json]   # one table row per export

@@ -1,8 +1,6 @@
-"""The dinfer-jax checkpoint folder: config.json, the manifest dinfer_jax.json (format version 2:
-param shapes / dtypes, and "quantization" entries whose values and `path@scale` scales load as a
-QuantizedWeight), params/<path>/{layer_NNNN,all}/ (one orbax checkpoint per layer slab), tokenizer
-files. Version 1 (LM head stored (D, V)) loads as is and `upgrade` rewrites it as v2. Layout and
-rationale: docs/internals/checkpoint.md.
+"""The dinfer-jax checkpoint folder: config.json, the manifest dinfer_jax.json (version 2), one orbax
+checkpoint per layer slab under params/, tokenizer files; `upgrade` rewrites a v1 folder as v2.
+Layout and rationale: docs/internals/checkpoint.md.
 """
 from __future__ import annotations
 

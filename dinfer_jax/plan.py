@@ -1,12 +1,6 @@
 """`dinfer-jax plan`: compile the generate (or serving) programs for a Cloud TPU topology on any
 host, with libtpu's compile-only devices (nothing runs, no TPU attached, no weights read).
-
-`get_topology("v5e:2x2")` -> compile-only devices + the chip's spec sheet; `compile_plan(cfg,
-topology, mesh_spec, ...)` compiles the Generator's own program over abstract params sharded on the
-mesh -> `Plan`: per-chip bytes, flops / bytes accessed, Mosaic calls, collectives, HLO audits, and
-a predicted floor (HBM-bandwidth or bf16-peak bound). `plan(...)` without a mesh picks the fitting
-mesh with the best floor. "Per chip" = per JAX device (two per TPU7x chip). What each number means:
-docs/accelerators.md.
+The Plan's numbers, audits and mesh choice: docs/internals/runtime.md, docs/accelerators.md.
 """
 from __future__ import annotations
 
@@ -256,9 +250,8 @@ def host_callbacks(instrs: list[Instr], in_loop_only: bool = True) -> int:
 
 def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int, layer_elems: int,
                  hidden_size: int = 0) -> list[Instr]:
-    """`copy` ops (outside fusions) inside a loop whose result is KV-cache shaped: the canvas length and
-    kv_heads*head_dim (merged or not), at least one layer's K (or V) shard in elements (two layers'
-    when a merged (B, L, D) copy could be a hidden state). Async copy-start / -done are not counted."""
+    """`copy` ops (outside fusions) inside a loop whose result is KV-cache shaped (the rule:
+    docs/internals/runtime.md, "TPU plans and AOT export")."""
     merged_min = layer_elems * (2 if kv_heads * head_dim == hidden_size else 1)
 
     def kv_shaped(d):

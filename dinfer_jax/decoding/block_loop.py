@@ -1,9 +1,6 @@
-"""Block diffusion (LLaDA2.x, SDAR, Fast-dLLM v2) in the one jitted `lax.while_loop`: a prefill
-writes the prompt's K/V; each step runs one window forward per active row over its block (S = B,
-or [previous | current] = 2B on a block's first step, which commits the previous block's exact K/V),
-then the LLaDA2 decoder (M2T, T2T editing, LLaDA2.2 insert / delete; SDAR's remasking) on the block.
-Layout, shifted logits, sub-blocks, the sub-block DualCache, the decoder rules and their sources:
-docs/block_diffusion.md ("The block loop in detail")."""
+"""Block diffusion (LLaDA2.x, SDAR, Fast-dLLM v2) in the one jitted `lax.while_loop`: a prefill,
+then per step one window forward per active row over its block (S = B, or 2B on a block's first
+step) and the LLaDA2 decoder on the block. Details: docs/block_diffusion.md ("The block loop in detail")."""
 from __future__ import annotations
 
 import jax
@@ -18,14 +15,9 @@ from dinfer_jax.decoding.strategies import forbid_eos, rank_desc
 
 
 def sample_tokens(logits_BSV, knobs, keys_B, with_entropy: bool = False):
-    """-> (v_BS int32, p_BS fp32): LLaDA2's sampler. Rows with temperature 0 take the argmax and
-    its softmax probability; others divide by T, keep the top_k (0: all) and the smallest set of
-    most probable tokens whose cumulative probability exceeds top_p (the first always kept), and
-    draw one token (Gumbel-max); p is its probability under the filtered softmax, or, for rows with
-    knob confidence_before_filter > 0 (SDAR's evaluation sampler), under the temperature-scaled
-    softmax before top-k / top-p (so temperature 1 with top_k 1 is greedy decoding with the plain
-    softmax confidence). with_entropy: also the Shannon entropy (nats, fp32) of that same
-    distribution (the one p is read from) at every position -> (v, p, h_BS)."""
+    """-> (v_BS int32, p_BS fp32): LLaDA2's sampler (argmax at temperature 0, else T / top_k / top_p
+    and one Gumbel-max draw; rules: docs/internals/decoding_loops.md). with_entropy: also the
+    entropy h_BS (nats, fp32) of the distribution p is read from -> (v, p, h_BS)."""
     l = logits_BSV.astype(jnp.float32)
     T = knobs["temperature"][:, None, None]
     greedy = T <= 0
@@ -99,10 +91,8 @@ def transfer_schedule(step_B, block: int, steps: int):
 
 
 def sub_block_candidates(masked_BS, sub: int, shift: int):
-    """Fast-dLLM v2's sub-block schedule -> the positions this step may commit (B, S) bool: the
-    masked positions of the first sub-block (of `sub` positions) that holds a mask; with shifted
-    logits (shift = 1), a masked first position of the block alone (its logit is the last row of
-    the previous block: it is decoded first, by itself, like an AR step)."""
+    """Fast-dLLM v2's sub-block schedule -> (B, S) bool, the positions this step may commit: the
+    masks of the first sub-block holding one; with shift = 1, a masked first position alone."""
     B, S = masked_BS.shape
     has = jnp.any(masked_BS.reshape(B, S // sub, sub), axis=-1)
     cur = jnp.argmax(has, axis=-1)  # the first sub-block holding a mask
@@ -114,11 +104,8 @@ def sub_block_candidates(masked_BS, sub: int, shift: int):
 
 
 def sub_block_refresh(masked_BS, gen_BS, sub: int, shift: int):
-    """The sub-block DualCache's schedule (module doc) -> (sub_B, refresh_B): the current sub-block
-    (the first holding a mask) and whether this step runs over the whole block (refreshing the
-    block cache): when the sub-block's first position is masked (Fast-dLLM v2's rule), or when none
-    of its generated positions is decoded yet (it is entered: our rule; with shifted logits the
-    block's first position, decoded alone as the AR step, does not count)."""
+    """The sub-block DualCache's schedule -> (sub_B, refresh_B): the current sub-block (the first
+    holding a mask) and whether this step refreshes the whole block (rule: docs/block_diffusion.md)."""
     B, S = masked_BS.shape
     pos = jnp.arange(S)[None, :]
     sub_B = jnp.argmax(jnp.any(masked_BS.reshape(B, S // sub, sub), axis=-1), axis=-1).astype(jnp.int32)
@@ -158,13 +145,9 @@ def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, edi
 
 
 def indel_rebuild(y_BS, x_BS, orig_BS, gen_BS, mask_id: int, delete_id: int, split_id: int):
-    """LLaDA2.2's block rebuild after DELETE/SPLIT writes, as a per-row gather (static shapes).
-    y: the block after this step's writes; x: the block at the step's start; orig: the
-    "original mask" flags (they travel with their slot's token); gen: generated (non-prompt) slots.
-    Prompt slots are copied; each generated slot i emits 0 slots (y_i = DELETE), 2 (y_i = SPLIT:
-    a new mask, flag False, then the OLD token x_i with flag orig_i) or 1 (y_i, orig_i), in order;
-    the result is cut to the block length or padded with masks (flag False).
-    -> (tokens_BS, orig_BS)."""
+    """LLaDA2.2's block rebuild after DELETE/SPLIT writes, a per-row gather -> (tokens_BS, orig_BS).
+    y: the block after this step's writes, x: at the step's start, orig: "original mask" flags,
+    gen: generated slots (emission rule: docs/internals/decoding_loops.md)."""
     S = y_BS.shape[-1]
     cnt = jnp.where(gen_BS & (y_BS == delete_id), 0, jnp.where(gen_BS & (y_BS == split_id), 2, 1))
     end = jnp.cumsum(cnt, axis=-1)  # slots emitted up to and including source i

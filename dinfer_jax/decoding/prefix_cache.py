@@ -1,30 +1,6 @@
 """Block-aligned prompt prefix cache for block-causal models (LLaDA2.x, SDAR): exact K/V reuse.
-
-Why it is exact: with block-causal attention, the K/V of prompt block k (positions [kB, (k+1)B))
-depend only on the tokens of blocks 0..k and on the positions, never on anything later (the
-generated region, other rows, the canvas padding: positions are per row, index - pad). So two
-prompts that share their first h full blocks share those blocks' K/V bit for bit (up to the
-rounding of a differently shaped forward). Only FULL prompt blocks are cached: the prompt tail
-shares its block with the first generated positions, and its K/V change while that block decodes.
-
-Why full-attention models (LLaDA, LLaDA-MoE, Dream) cannot use it: every prompt token attends to
-the whole canvas, including the masked generation region that changes at every step, so a prompt
-token's K/V depend on the request's own generated tokens; a cached copy from another request is
-not the K/V this request would compute (the dual cache refreshes them at every block for that
-reason).
-
-Store: a device-resident pool of block slots, (slots, layers, B_len, K*H) for k and for v, sized
-by the byte budget and allocated on first use; an entry is a slot, keyed by a hash chain over the
-prompt's blocks (key_k = H(key_{k-1}, tokens of block k), seeded by the block length), so a key
-names the whole prefix up to that block. Lookup walks the chain from block 0 and stops at the first
-miss. Least-recently-used entries are evicted first, and a hit refreshes the chain deepest-first so
-a prefix's ancestors are always more recent than its descendants (evicting an ancestor would
-strand every descendant). One jitted gather-scatter per admission in each direction (cache ->
-canvas, canvas -> pool; counts bucketed to powers of two).
-
-The consumer (decoding/segments.RunningBatch.admit) prefills only the uncached tail of the prompts:
-block_loop's init with `prefix=(cached K/V laid out on the canvas, window width)`.
-"""
+A device pool of per-block prompt K/V slots keyed by a hash chain over the prompt's blocks, LRU.
+Why it is exact, why full-attention models cannot use it, the store: docs/internals/decoding_loops.md."""
 from __future__ import annotations
 
 import collections

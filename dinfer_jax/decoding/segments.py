@@ -21,9 +21,7 @@ from dinfer_jax.sharding import to_host
 
 def abstract_state(state):
     """The shapes and dtypes of a loop state, with the shardings of committed (mesh-placed) leaves
-    (None stays None): what a row mover compiles for. An uncommitted leaf (one device) stays
-    unplaced, so the mover's outputs stay uncommitted like every other state's and the segment
-    programs see the inputs they were compiled for."""
+    only (None stays None): what a row mover compiles for (docs/internals/decoding_loops.md)."""
     if state is None:
         return None
     return jax.tree_util.tree_map(
@@ -68,10 +66,8 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_r
 @dataclasses.dataclass
 class RowResult:
     """One finished row: generated ids (cut at the first stop id), the raw generation region, its
-    forwards, tokens per forward, edits (block diffusion), whether masks were left (the row hit its
-    iteration bound: non-finite logits, or a model that keeps predicting the mask id), and the
-    commit record over the raw region (rows.row_record, as GenerationResult's, but over all of
-    raw_ids rather than token_ids: callers cut it where they cut the ids)."""
+    forwards, tokens per forward, edits, whether masks were left (hit its iteration bound), and the
+    commit record over all of raw_ids (rows.row_record; callers cut it where they cut the ids)."""
     tag: Any
     token_ids: list[int]
     raw_ids: np.ndarray
@@ -183,13 +179,9 @@ class RunningBatch:
         return self.gen.move_key(self.spec, self.gen_start, src.B, self.B, self.state is None)
 
     def take_rows(self, src: "RunningBatch", slots: list[int]) -> list[int]:
-        """Move src's running rows `slots` into free slots of this batch (same program settings and
-        prompt bucket; any batch size): their loop state and row context move whole, so each row goes
-        on exactly as it would have in src (tests/test_segments.py). The move is one small jitted
-        program per (sizes, whether this batch is empty), `Generator.move_program` (compiled at its
-        first call unless `Generator.warm_move_program` compiled it; the server does that on its
-        compile thread). All or nothing: a failure leaves both batches as they were. -> the slots
-        they took here."""
+        """Move src's running rows `slots` into free slots of this batch (same settings and prompt
+        bucket, any batch size); each row goes on exactly as in src. All or nothing. -> the slots
+        they took here (the move program: docs/internals/decoding_loops.md)."""
         if (src.spec, src.gen_start) != (self.spec, self.gen_start):
             raise ValueError("rows move only between batches of the same program settings and prompt bucket")
         slots = list(slots)

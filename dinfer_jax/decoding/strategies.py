@@ -145,11 +145,8 @@ def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, st
 
 
 def torch_linspace_f32(start, end, num: int, i):
-    """Element i of torch.linspace(start, end, num) in float32 by torch's scalar formula (step =
-    (end - start) / (num - 1); the first half counts up from start, the second half down from end).
-    torch's own kernels can differ in the last ulp (the CPU kernel's vectorised lanes count up from
-    a chunk base; CUDA may fuse multiply-adds), which changes Dream's k only when n * (1 - s/t)
-    falls within an ulp of an integer."""
+    """Element i of torch.linspace(start, end, num) in float32 by torch's scalar formula (first half
+    up from start, second half down from end; vs torch's kernels: docs/internals/decoding_loops.md)."""
     start = jnp.asarray(start, jnp.float32)
     end = jnp.asarray(end, jnp.float32)
     step = (end - start) / jnp.float32(num - 1)
@@ -160,10 +157,8 @@ def torch_linspace_f32(start, end, num: int, i):
 
 
 def dream_schedule(eps_B, steps: int, step_B, n_masked_B):
-    """Dream's schedule at step i of `steps`: t = linspace(1, eps, steps + 1); t_i, s = t_{i+1};
-    fraction = 1 - s/t (1 at the last step). -> (fraction_B fp32, k_B int32) with
-    k = int(n * (1 - s/t)) (all n at the last step). n is the row's own masked count: the reference
-    uses the batch mean (one k for every row); rows here are independent, identical at batch 1."""
+    """Dream's schedule at step i of `steps` -> (fraction_B fp32 = 1 - s/t, k_B int32 = int(n * fraction),
+    n the row's own masked count; all n at the last step). Formula: docs/internals/decoding_loops.md."""
     t = torch_linspace_f32(1.0, eps_B, steps + 1, step_B)
     s = torch_linspace_f32(1.0, eps_B, steps + 1, step_B + 1)
     last = step_B >= steps - 1
@@ -173,10 +168,8 @@ def dream_schedule(eps_B, steps: int, step_B, n_masked_B):
 
 
 def dream_filter(logits_BSV, temperature_B, top_p_B, top_k_B):
-    """Dream's logits processing: divide by T (T > 0), nucleus top_p (< 1: keep the smallest prefix
-    of the sorted probabilities whose mass before it is <= top_p, the first always), top_k (> 0:
-    drop logits below the k-th largest); dropped logits become float32 min, as in the reference.
-    The filters apply at T = 0 too, so confidences come from the filtered distribution."""
+    """Dream's logits processing: / T (T > 0), nucleus top_p (< 1), top_k (> 0); dropped logits become
+    float32 min, also at T = 0 (rules: docs/internals/decoding_loops.md)."""
     l = logits_BSV.astype(jnp.float32)
     T = temperature_B[:, None, None]
     l = jnp.where(T > 0, l / jnp.where(T > 0, T, 1.0), l)
@@ -203,16 +196,8 @@ def dream_filter(logits_BSV, temperature_B, top_p_B, top_k_B):
 
 
 def dream_decide(alg: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, frac_B, k_B):
-    """One step of Dream's sampler on one block per row -> (cand_BS, transfer_BS).
-
-    Every position gets a candidate from the filtered distribution p (`dream_filter`): its argmax
-    at T = 0, else a categorical draw (Gumbel-max); the confidence is p[candidate] (maskgit_plus),
-    top1 - top2 of p (topk_margin) or sum p log(p + 1e-10) (entropy: negative entropy).
-    - origin: each masked position is revealed with probability frac_B (1 - s/t; 1 at the last
-      step), independently (our RNG: uniform from fold_in(key, 2));
-    - the others: the k_B masked positions of highest confidence, or with alg_temp > 0, k_B
-      positions drawn without replacement from softmax(confidence / alg_temp) (Gumbel top-k).
-    Ties go to the lower position. The mask token is not forbidden as a candidate (as in Dream)."""
+    """One step of Dream's sampler on one block per row -> (cand_BS, transfer_BS); alg origin /
+    maskgit_plus / topk_margin / entropy (rules: docs/internals/decoding_loops.md, "Dream's sampler")."""
     masked = x_BS == mask_id
     T = knobs["temperature"]
     l = dream_filter(logits_BSV, T, knobs["top_p"], knobs["top_k"])

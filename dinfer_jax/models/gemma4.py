@@ -1,8 +1,6 @@
-"""The Gemma-4 text stack run two ways over one set of weights (DiffusionGemma, docs/diffusion_gemma.md):
-a causal ENCODER that writes the prompt and every committed canvas into a KV cache, and a
-bidirectional DECODER that reads the cache (never writes it) and returns logits for a canvas.
-Layers are "sliding_attention" or "full_attention" (per-kind KV heads / head_dim / RoPE) with dense
-GELU MLP + routed experts. The layer formula, masks and param tree: docs/internals/model_code.md.
+"""The Gemma-4 text stack run two ways over one set of weights (DiffusionGemma): a causal ENCODER that
+fills a KV cache and a bidirectional DECODER that reads it and returns logits for a canvas.
+The layer formula, masks and param tree: docs/internals/model_code.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Mixture of experts: a router (fp32: "softmax" top-k, or "sigmoid_group" with expert bias and
-group limits), SwiGLU experts, optional shared (always-on) experts. Expert paths that must agree:
-"dense" (all experts, the reference), "ragged" (sort + lax.ragged_dot; GPU default), "tiled" (sort +
-tile-padded scan; CPU default), "pallas" (sort + the gmm kernel; TPU default); "auto" picks by the
-target platform. Router rules and path trade-offs: docs/internals/model_code.md.
+"""Mixture of experts: an fp32 router ("softmax" or "sigmoid_group"), SwiGLU experts, optional shared
+experts; expert paths "dense" / "ragged" / "tiled" / "pallas" / "auto" that must agree.
+Router rules and path trade-offs: docs/internals/model_code.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Weight-only quantization: a `QuantizedWeight` pytree and the one matmul the layers use.
 
-A weight (lead..., in..., out...) is stored as q (its shape; int8 or float8_e4m3fn) and an fp32
-scale: int8 per output channel (the in dims set to 1), fp8 per 128 x 128 block (lead...,
-ceil(K/128), ceil(N/128)). `matmul(x, w)`: x (..., in...) -> (..., out...), dequantizing inside the
-matmul one tile of output columns at a time. Layout, rounding, out-first weights and why tiles:
-docs/internals/quantization.md.
+A weight (lead..., in..., out...) is stored as q (int8 / float8_e4m3fn) and an fp32 scale; `matmul(x, w)`:
+x (..., in...) -> (..., out...). Layout, rounding, the tiled dequant: docs/internals/quantization.md.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The layer loop over layer-stacked params, and matmuls that read a layer's weight from the stack.
 
-`scan_layers` runs the stack as a lax.scan over layer indices, handing each layer its matmul weights
-as `LayerSlice(stack, layer)`. On one CPU device (`in_place`) the matmuls read a LayerSlice from the
-stack in column tiles (XLA:CPU would copy every slice); elsewhere it is simply w[layer]. Same values,
-same dots. Why and measurements: docs/internals/model_code.md.
+`scan_layers` hands each layer its matmul weights as `LayerSlice(stack, layer)`, read in column tiles
+on one CPU device, else w[layer]. Why and measurements: docs/internals/model_code.md.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Flash-style masked-token attention in Pallas for the dLLM window case (Mosaic TPU / Triton GPU).
 
-S window queries (B, S, N, H) over the full-length K/V cache (B, L, K, H) with the window's fresh K/V
-in place; GQA, a per-row key-padding mask, optionally the block-causal mask built per tile from small
-int inputs (qblk (B, S_pad, 1) query block ids; kinfo (B, 2, L_pad): key block ids, and 1 valid / 0
-masked / -1 tile padding). Masked keys score -1e30 (an all-masked row: uniform softmax over the L
-real keys); padding keys -2e30. The GPU body may split the kv axis (flash-decoding) on small grids.
-interpret=True runs either body on any platform. Layout, grids, tile budgets, the kv split:
-docs/internals/kernels.md.
+S window queries (B, S, N, H) over the full-length K/V cache (B, L, K, H); GQA, key-padding and
+optional block-causal masks. Masks, layout, grids, tile budgets, the kv split: docs/internals/kernels.md.
 """
 from __future__ import annotations
 

@@ -2,13 +2,8 @@
 
     out_MN[m] = lhs_MK[m] @ rhs_GKN[g(m)]
 
-M rows (tokens x top-k slots) sorted by group, K contraction, N output, G groups (experts), V grid
-visits along M. Group g owns rows [off[g], off[g+1]), off = [0, cumsum(group_sizes)] cut at M; rows
-past sum(group_sizes) come out as 0. Grid (N/tn, V, K/tk), one visit per (row tile, group) pair,
-scheduled by scalar-prefetched metadata (`make_group_metadata`). Block sizes follow Mosaic's (8, 128)
-tiling, checked in `validate` (interpret mode too). A quantized rhs (int8 per-channel or fp8 per
-128 x 128 block scales, models/quant.py) is read as 1-byte tiles and dequantized in VMEM. Design,
-block-size rules and the quantized layouts: docs/internals/kernels.md.
+M rows sorted by group, K contraction, N output, G groups (experts), V grid visits along M; rows past
+sum(group_sizes) come out as 0. Design, block-size rules, quantized rhs: docs/internals/kernels.md.
 """
 from __future__ import annotations
 
