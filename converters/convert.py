@@ -9,12 +9,14 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
+from converters import diffusion_gemma
 from converters.hf_import import iter_params, open_checkpoint
 from converters.mappings import fused_groups, table
 from converters.safetensors_io import parse_size, plan_shards, shard_file_names, write_file
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.families import to_hf_dict
+from dinfer_jax.families.diffusion_gemma import is_folder as is_diffusion_gemma
 from dinfer_jax.models.quant import SCALE_SUFFIX, check_kind, is_out_first, metadata, quant_dims
 from dinfer_jax.models.quant import quantize as quantize_weight
 
@@ -36,6 +38,10 @@ def convert(src: str, dst: str, dtype=None, progress: bool = True, overwrite: bo
     check_destination(dst, overwrite)
     if _same_or_inside(src, dst):
         raise ValueError(f"destination {dst!r} and source {src!r} overlap; pick another destination")
+    if is_diffusion_gemma(src):
+        if quantize is not None:
+            raise ValueError(f"{src} is a DiffusionGemma model: --quantize is not built for it (convert without it)")
+        return diffusion_gemma.convert(src, dst, dtype, progress, overwrite)
     cfg, source = open_checkpoint(src)
     try:
         with open(os.path.join(src, "config.json")) as f:
@@ -75,6 +81,8 @@ def export(src: str, dst: str, progress: bool = True, overwrite: bool = False,
     check_destination(dst, overwrite)
     if _same_or_inside(src, dst):
         raise ValueError(f"destination {dst!r} and source {src!r} overlap; pick another destination")
+    if is_diffusion_gemma(src):
+        return diffusion_gemma.export(src, dst, progress, overwrite, max_bytes)
     cfg = ckpt.read_config(src)
     man = ckpt.read_manifest(src)
     if man.get("quantization"):

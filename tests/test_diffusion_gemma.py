@@ -5,6 +5,9 @@ without self-conditioning (fp32, max|diff| <= 1e-5 * max|ref|: accumulation-orde
 relative here), and whole generations token for token with the reference's random draws replayed
 into our jitted loop (recorded from torch.randint / torch.multinomial during its generate()).
 """
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -228,6 +231,49 @@ def test_folder_loads_its_text_weights(ref_model, hf_folder):
     s = dg.settings_from_generation_config({"eos_token_id": [1, 50], "pad_token_id": 0,
                                             "sampler_config": {"entropy_bound": 0.5}})
     assert s.eos_token_id == (1, 50) and s.entropy_bound == 0.5 and s.max_denoising_steps == 48
+
+
+def test_convert_and_export_round_trip(ref_model, hf_folder, tmp_path):
+    """HF folder -> `convert` -> dinfer-jax checkpoint -> `export` -> HF folder: the text tensors
+    come back bit-equal under the names save_pretrained wrote; transformers loads the export into the
+    reference's text weights; the checkpoint decodes the folder's logits exactly."""
+    import jax.numpy as jnp
+    import torch
+    from safetensors import safe_open
+    from converters import convert, export
+    from dinfer_jax import checkpoint as ckpt
+    written = convert(hf_folder, str(tmp_path / "ckpt"), progress=False)
+    assert ckpt.is_checkpoint(str(tmp_path / "ckpt")) and not any("vision" in p for p in written)
+    export(str(tmp_path / "ckpt"), str(tmp_path / "hf"), progress=False, max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors.index.json")  # sharded at 20 KB
+    src = safe_open(f"{hf_folder}/model.safetensors", "np")
+    index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))["weight_map"]
+    text = {n for n in src.keys() if "vision" not in n}
+    assert set(index) == text
+    for n, fname in index.items():
+        got = safe_open(str(tmp_path / "hf" / fname), "np").get_tensor(n)
+        assert got.dtype == src.get_tensor(n).dtype and np.array_equal(got, src.get_tensor(n)), n
+    # the fixture's generation_config.json (copied as is) has no "_cls_name" in sampler_config, which
+    # transformers' GenerationConfig reader needs; the weights are what is checked here
+    os.remove(tmp_path / "hf" / "generation_config.json")
+    back = type(ref_model).from_pretrained(str(tmp_path / "hf")).eval()
+    ref_sd = ref_model.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in back.state_dict().items() if "vision" not in k)
+    rng = np.random.default_rng(4)
+    prompt, canvas = rng.integers(0, 96, (2, 5)), rng.integers(0, 96, (2, C))
+    from_ckpt = dg.logits(dg.load(str(tmp_path / "ckpt"), dtype=jnp.float32), prompt, canvas)
+    assert np.array_equal(from_ckpt, dg.logits(dg.load(hf_folder, dtype=jnp.float32), prompt, canvas))
+    with pytest.raises(ValueError, match="--quantize is not built for it"):
+        convert(hf_folder, str(tmp_path / "q"), quantize="int8", progress=False)
+
+
+def test_commands_without_its_loop_name_the_ones_with_it(hf_folder):
+    """serve / bench / logits / eval read a registered family's config: a DiffusionGemma folder gets
+    one line naming the commands that take it, not 'unknown architecture'."""
+    from dinfer_jax.config import ConfigError
+    from dinfer_jax.families import family_of
+    with pytest.raises(ConfigError, match="DiffusionGemma model .* generate, chat, plan, convert and export take it"):
+        family_of(json.load(open(f"{hf_folder}/config.json")))
 
 
 def test_cli_generate_decodes_a_folder(hf_folder):

@@ -4,7 +4,8 @@ on an all-axes mesh (data=2, expert=2, model=2: tokens split over "expert" are g
 expert=8 (a batch of 4 stays replicated over "expert") equal one device's to 2e-6 of the largest
 |logit| (the psum adds the top-k contributions in another order: a few fp32 ulps), argmax equal;
 `generate` with params placed by `param_shardings` (experts split 4 ways) decodes the same tokens as
-one device. No torch: a random model of the preset diffusion-gemma-tiny."""
+one device, and so does a dinfer-jax checkpoint of the same params (written as an HF folder, then
+`convert`) loaded onto the mesh. No torch: a random model of the preset diffusion-gemma-tiny."""
 from __future__ import annotations
 
 import json
@@ -49,6 +50,23 @@ on_mesh = dg.generate(dg.DiffusionGemma(cfg, placed, C, mesh), np.asarray(prompt
 experts = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(placed) if "experts" in jax.tree_util.keystr(path)]
 out["generate"] = [bool((one == on_mesh).all()), min(len(e.sharding.device_set) for e in experts),
                    max(e.addressable_shards[0].data.size / e.size for e in experts if e.ndim == 3)]
+# the same params through an HF folder (group_to_hf), `convert`, and load(checkpoint, mesh=): each
+# param restored straight into its sharding, the same tokens
+import tempfile
+from converters import convert
+from converters.safetensors_io import write_file
+d = tempfile.mkdtemp()
+os.makedirs(os.path.join(d, "hf"))
+write_file(os.path.join(d, "hf", "model.safetensors"),
+           {k: np.asarray(v) for g in dg.groups(cfg) for k, v in dg.group_to_hf(params, cfg, g).items()})
+with open(os.path.join(d, "hf", "config.json"), "w") as f:
+    json.dump(dg.PRESETS["diffusion-gemma-tiny"], f)
+convert(os.path.join(d, "hf"), os.path.join(d, "ckpt"), progress=False)
+loaded = dg.load(os.path.join(d, "ckpt"), dtype=jnp.float32, mesh=mesh)
+experts = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params) if "experts" in jax.tree_util.keystr(path)]
+out["checkpoint"] = [bool((dg.generate(loaded, np.asarray(prompt), s, seed=5) == one).all()),
+                     min(len(e.sharding.device_set) for e in experts),
+                     max(e.addressable_shards[0].data.size / e.size for e in experts if e.ndim == 3)]
 print(json.dumps(out))
 """
 
@@ -59,7 +77,8 @@ def test_expert_parallel_logits_equal_one_device():
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    same, devices, shard_fraction = out.pop("generate")
-    assert same and devices == 8 and shard_fraction <= 0.25, (same, devices, shard_fraction)  # experts split 4 ways
+    for what in ("generate", "checkpoint"):
+        same, devices, shard_fraction = out.pop(what)
+        assert same and devices == 8 and shard_fraction <= 0.25, (what, same, devices, shard_fraction)  # experts / 4
     for spec, (rel, same_argmax) in out.items():
         assert rel <= 2e-6 and same_argmax, (spec, rel, same_argmax)

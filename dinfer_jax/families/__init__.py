@@ -149,6 +149,10 @@ def layer(base: Mapping[str, Any], upd: Mapping[str, Any], whole: bool = False) 
 
 # ---- config.json -> ModelConfig (any registered family), and the presets
 
+# DiffusionGemma is no registered (masked-diffusion) family: its own loop, families/diffusion_gemma.py
+DIFFUSION_GEMMA_ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
+
+
 def family_of(hf: Mapping[str, Any]):
     """The `Family` whose architecture names config.json's architectures[0]."""
     if not isinstance(hf, Mapping):
@@ -158,6 +162,9 @@ def family_of(hf: Mapping[str, Any]):
         raise ConfigError("config.json has no 'architectures' entry; supported: "
                           + ", ".join(sorted(architectures())))
     fam = by_architecture(archs[0])
+    if fam is None and archs[0] in DIFFUSION_GEMMA_ARCHITECTURES:
+        raise ConfigError(f"{archs[0]} is a DiffusionGemma model (uniform-noise diffusion, families/diffusion_gemma.py): "
+                          "generate, chat, plan, convert and export take it; this command is not built for it yet")
     if fam is None:
         raise ConfigError(f"unknown architecture {archs[0]!r} in config.json; supported: "
                           + ", ".join(sorted(architectures())))

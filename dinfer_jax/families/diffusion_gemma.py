@@ -19,14 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from dinfer_jax import checkpoint as ckpt
 from dinfer_jax import sharding as shd
 from dinfer_jax.decoding import entropy_bound as eb
+from dinfer_jax.families import DIFFUSION_GEMMA_ARCHITECTURES
+from dinfer_jax.models import flatten, unflatten
 from dinfer_jax.models.gemma4 import FULL, SLIDING, EncoderCache, Gemma4Config, Gemma4Diffusion, boxed_params
 from dinfer_jax.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
+ARCHITECTURES = DIFFUSION_GEMMA_ARCHITECTURES
 DEFAULT_CANVAS_LENGTH = 256
 
 
@@ -110,10 +113,23 @@ _NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_att
           "post_feedforward_layernorm_2": "post_ffn_norm_2"}
 
 
-def params_from_hf(get, cfg: Gemma4Config, dtype=jnp.float32) -> dict:
-    """Our param tree (models/gemma4.py) from the checkpoint's text weights. `get(name)` returns the
-    numpy array saved under an HF name (model.decoder.* holds the shared weights; the encoder pass's
-    layer scalars are model.encoder.language_model.layers.L.layer_scalar)."""
+GLOBALS = "globals"  # the group of the non-layer params: embed, final_norm, self_conditioning
+
+
+def groups(cfg: Gemma4Config) -> list[str]:
+    """The param tree's conversion groups in order: GLOBALS, then layer_0 .. layer_{n-1}."""
+    return [GLOBALS] + [f"layer_{i}" for i in range(len(cfg.layer_types))]
+
+
+def group_keys(group: str) -> tuple[str, ...]:
+    """The top-level keys of the param tree a conversion group holds."""
+    return ("embed", "final_norm", "self_conditioning") if group == GLOBALS else (group,)
+
+
+def group_from_hf(get, cfg: Gemma4Config, group: str, dtype=jnp.float32) -> dict:
+    """One group of our param tree (models/gemma4.py), {top-level key: subtree}, from the checkpoint's
+    text weights. `get(name)` returns the numpy array saved under an HF name (model.decoder.* holds
+    the shared weights; the encoder pass's layer scalars are model.encoder.language_model.layers.L.layer_scalar)."""
     D, N = cfg.hidden_size, cfg.num_heads
 
     def a(name):  # one tensor at a time, straight to the params dtype (peak: params + one tensor)
@@ -122,33 +138,73 @@ def params_from_hf(get, cfg: Gemma4Config, dtype=jnp.float32) -> dict:
     def lin(name):  # HF Linear [out, in] -> (in, out)
         return a(name).T
 
-    out: dict = {"embed": {"embedding": a("model.decoder.embed_tokens.weight")},
-                 "final_norm": a("model.decoder.norm.weight")}
-    sc = "model.decoder.self_conditioning."
-    out["self_conditioning"] = {"pre_norm": a(sc + "pre_norm.weight"),
-                                "mlp": {"gate_proj": lin(sc + "gate_proj.weight"), "up_proj": lin(sc + "up_proj.weight"),
-                                        "down_proj": lin(sc + "down_proj.weight")}}
-    F = cfg.moe_intermediate_size
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.decoder.layers.{i}."
-        K, H = cfg.kv_shape(kind)
-        attn = {"q_proj": lin(p + "self_attn.q_proj.weight").reshape(D, N, H),
-                "k_proj": lin(p + "self_attn.k_proj.weight").reshape(D, K, H),
-                "o_proj": lin(p + "self_attn.o_proj.weight").reshape(N, H, D),
-                "q_norm": a(p + "self_attn.q_norm.weight"), "k_norm": a(p + "self_attn.k_norm.weight")}
-        if kind == SLIDING:
-            attn["v_proj"] = lin(p + "self_attn.v_proj.weight").reshape(D, K, H)
-        gate_up = a(p + "experts.gate_up_proj")  # [E, 2F, D], gate rows first
-        layer = {"attn": attn, **{ours: a(p + hf + ".weight") for hf, ours in _NORMS.items()},
-                 "mlp": {"gate_proj": lin(p + "mlp.gate_proj.weight"), "up_proj": lin(p + "mlp.up_proj.weight"),
-                         "down_proj": lin(p + "mlp.down_proj.weight")},
-                 "router": {"proj": lin(p + "router.proj.weight"), "scale": a(p + "router.scale"),
-                            "per_expert_scale": a(p + "router.per_expert_scale")},
-                 "experts": {"gate_proj": gate_up[:, :F].transpose(0, 2, 1), "up_proj": gate_up[:, F:].transpose(0, 2, 1),
-                             "down_proj": a(p + "experts.down_proj").transpose(0, 2, 1)},
-                 "decoder_scalar": a(p + "layer_scalar").reshape(1),
-                 "encoder_scalar": a(f"model.encoder.language_model.layers.{i}.layer_scalar").reshape(1)}
-        out[f"layer_{i}"] = layer
+    if group == GLOBALS:
+        sc = "model.decoder.self_conditioning."
+        return {"embed": {"embedding": a("model.decoder.embed_tokens.weight")},
+                "final_norm": a("model.decoder.norm.weight"),
+                "self_conditioning": {"pre_norm": a(sc + "pre_norm.weight"),
+                                      "mlp": {k: lin(f"{sc}{k}.weight") for k in ("gate_proj", "up_proj", "down_proj")}}}
+    i = int(group[len("layer_"):])
+    kind, F = cfg.layer_types[i], cfg.moe_intermediate_size
+    p = f"model.decoder.layers.{i}."
+    K, H = cfg.kv_shape(kind)
+    attn = {"q_proj": lin(p + "self_attn.q_proj.weight").reshape(D, N, H),
+            "k_proj": lin(p + "self_attn.k_proj.weight").reshape(D, K, H),
+            "o_proj": lin(p + "self_attn.o_proj.weight").reshape(N, H, D),
+            "q_norm": a(p + "self_attn.q_norm.weight"), "k_norm": a(p + "self_attn.k_norm.weight")}
+    if kind == SLIDING:
+        attn["v_proj"] = lin(p + "self_attn.v_proj.weight").reshape(D, K, H)
+    gate_up = a(p + "experts.gate_up_proj")  # [E, 2F, D], gate rows first
+    return {group: {
+        "attn": attn, **{ours: a(p + hf + ".weight") for hf, ours in _NORMS.items()},
+        "mlp": {k: lin(f"{p}mlp.{k}.weight") for k in ("gate_proj", "up_proj", "down_proj")},
+        "router": {"proj": lin(p + "router.proj.weight"), "scale": a(p + "router.scale"),
+                   "per_expert_scale": a(p + "router.per_expert_scale")},
+        "experts": {"gate_proj": gate_up[:, :F].transpose(0, 2, 1), "up_proj": gate_up[:, F:].transpose(0, 2, 1),
+                    "down_proj": a(p + "experts.down_proj").transpose(0, 2, 1)},
+        "decoder_scalar": a(p + "layer_scalar").reshape(1),
+        "encoder_scalar": a(f"model.encoder.language_model.layers.{i}.layer_scalar").reshape(1)}}
+
+
+def group_to_hf(tree: dict, cfg: Gemma4Config, group: str) -> dict:
+    """The inverse of group_from_hf: {HF name: array} of one group (`tree`: {top-level key: subtree},
+    jax / numpy arrays or ShapeDtypeStructs under jax.eval_shape). Shared weights take the decoder's
+    names (as save_pretrained writes them); the vision tower is not ours to write."""
+    def lin(w):  # (in, out) -> HF Linear [out, in]
+        return jnp.asarray(w).T
+
+    if group == GLOBALS:
+        sc, mlp = "model.decoder.self_conditioning.", tree["self_conditioning"]["mlp"]
+        return {"model.decoder.embed_tokens.weight": jnp.asarray(tree["embed"]["embedding"]),
+                "model.decoder.norm.weight": jnp.asarray(tree["final_norm"]),
+                sc + "pre_norm.weight": jnp.asarray(tree["self_conditioning"]["pre_norm"]),
+                **{f"{sc}{k}.weight": lin(mlp[k]) for k in ("gate_proj", "up_proj", "down_proj")}}
+    i, t = int(group[len("layer_"):]), tree[group]
+    p, at, D = f"model.decoder.layers.{i}.", t["attn"], cfg.hidden_size
+    out = {p + "self_attn.q_proj.weight": lin(jnp.reshape(at["q_proj"], (D, -1))),
+           p + "self_attn.k_proj.weight": lin(jnp.reshape(at["k_proj"], (D, -1))),
+           p + "self_attn.o_proj.weight": lin(jnp.reshape(at["o_proj"], (-1, D))),
+           p + "self_attn.q_norm.weight": jnp.asarray(at["q_norm"]), p + "self_attn.k_norm.weight": jnp.asarray(at["k_norm"])}
+    if "v_proj" in at:
+        out[p + "self_attn.v_proj.weight"] = lin(jnp.reshape(at["v_proj"], (D, -1)))
+    out.update({p + hf + ".weight": jnp.asarray(t[ours]) for hf, ours in _NORMS.items()})
+    out.update({f"{p}mlp.{k}.weight": lin(t["mlp"][k]) for k in ("gate_proj", "up_proj", "down_proj")})
+    ex = t["experts"]
+    out.update({p + "router.proj.weight": lin(t["router"]["proj"]), p + "router.scale": jnp.asarray(t["router"]["scale"]),
+                p + "router.per_expert_scale": jnp.asarray(t["router"]["per_expert_scale"]),
+                p + "experts.gate_up_proj": jnp.concatenate([jnp.swapaxes(ex["gate_proj"], 1, 2),
+                                                             jnp.swapaxes(ex["up_proj"], 1, 2)], axis=1),
+                p + "experts.down_proj": jnp.swapaxes(ex["down_proj"], 1, 2),
+                p + "layer_scalar": jnp.asarray(t["decoder_scalar"]),
+                f"model.encoder.language_model.layers.{i}.layer_scalar": jnp.asarray(t["encoder_scalar"])})
+    return out
+
+
+def params_from_hf(get, cfg: Gemma4Config, dtype=jnp.float32) -> dict:
+    """Our param tree (models/gemma4.py) from the checkpoint's text weights (`get`: group_from_hf's)."""
+    out: dict = {}
+    for g in groups(cfg):
+        out.update(group_from_hf(get, cfg, g, dtype))
     return out
 
 
@@ -172,6 +228,24 @@ def _shared_aliases(name: str) -> list[str]:
     if name.startswith(dec) and not name.endswith("layer_scalar"):
         return [name, enc + name[len(dec):]]
     return [name]
+
+
+def tensor_getter(folder: str, src):
+    """group_from_hf's `get` over an open converters.sources source of `folder`: a shared weight
+    under either backbone's name; ValueError naming a missing weight."""
+    names = set(src.specs)
+
+    def get(name):
+        for cand in _shared_aliases(name):
+            if cand in names:
+                return src.read(cand)
+        if name.startswith("model.encoder.") and name.endswith("layer_scalar"):
+            dec = "model.decoder." + name[len("model.encoder.language_model."):]
+            if dec in names:  # one scalar per layer (a checkpoint written for a single backbone)
+                log.warning("%s: no encoder layer scalar %s; using the decoder's", folder, name)
+                return src.read(dec)
+        raise ValueError(f"{folder}: weight {name!r} is missing from the checkpoint")
+    return get
 
 
 def check_mesh(cfg: Gemma4Config, mesh) -> None:
@@ -205,8 +279,8 @@ def param_shardings(cfg: Gemma4Config, mesh, dtype=jnp.float32):
 
 
 def load(folder, dtype=None, mesh=None) -> "DiffusionGemma":
-    """A DiffusionGemma HF folder (config.json + *.safetensors / .bin) -> DiffusionGemma, its text
-    part read tensor by tensor (the vision tower is not loaded: text prompts only). mesh: a
+    """A DiffusionGemma HF folder (config.json + *.safetensors / .bin), or its dinfer-jax checkpoint
+    (`dinfer-jax convert`) -> DiffusionGemma, its text part read tensor by tensor (the vision tower is not loaded: text prompts only). mesh: a
     sharding.make_mesh mesh the params are placed on (experts over "expert"; None: one device)."""
     from converters.sources import open_source
     folder = os.fspath(folder)
@@ -216,24 +290,23 @@ def load(folder, dtype=None, mesh=None) -> "DiffusionGemma":
     if mesh is not None:
         check_mesh(cfg, mesh)
     dtype = (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16) if dtype is None else dtype
+    if ckpt.is_checkpoint(folder):  # `dinfer-jax convert`'s output: each param restored into its sharding
+        man = ckpt.read_manifest(folder)
+        shardings = {} if mesh is None else flatten(param_shardings(cfg, mesh, dtype))
+        expected = flatten(abstract_params(cfg, dtype))
+        if set(man["params"]) != set(expected):
+            raise ValueError(f"{folder}: the checkpoint's params do not match its config.json (missing "
+                             f"{sorted(set(expected) - set(man['params']))[:3]}, unexpected "
+                             f"{sorted(set(man['params']) - set(expected))[:3]})")
+        params = unflatten({p: ckpt.read_param(folder, p, shardings.get(p), dtype, man) for p in expected})
+        params = jax.tree_util.tree_map(jnp.asarray, params)
+        return DiffusionGemma(cfg, params, canvas, mesh)
     src = open_source(folder)
-    names = set(src.specs)
-
-    def get(name):
-        for cand in _shared_aliases(name):
-            if cand in names:
-                return src.read(cand)
-        if name.startswith("model.encoder.") and name.endswith("layer_scalar"):
-            dec = "model.decoder." + name[len("model.encoder.language_model."):]
-            if dec in names:  # one scalar per layer (a checkpoint written for a single backbone)
-                log.warning("%s: no encoder layer scalar %s; using the decoder's", folder, name)
-                return src.read(dec)
-        raise ValueError(f"{folder}: weight {name!r} is missing from the checkpoint")
     try:
-        params = params_from_hf(get, cfg, dtype)
+        params = params_from_hf(tensor_getter(folder, src), cfg, dtype)
     finally:
         src.close()
-    if any(n.startswith("model.encoder.vision_tower.") for n in names):
+    if any(n.startswith("model.encoder.vision_tower.") for n in src.specs):
         log.info("%s: the vision tower is not loaded (text prompts only)", folder)
     if mesh is not None:
         params = jax.device_put(params, param_shardings(cfg, mesh, dtype))
