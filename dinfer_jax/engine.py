@@ -70,7 +70,7 @@ class SamplingParams:
     # temperature-scaled softmax BEFORE top-k / top-p (SDAR's evaluation sampler,
     # huggingface_bd3.py); False: under the filtered softmax (LLaDA2, SDAR's generate.py).
     confidence_before_filter: bool = False
-    # LLaDA2.2 insert/delete editing (SGLang's JointThresholdInDel; block_loop.indel_step): greedy;
+    # LLaDA2.2 insert/delete editing (SGLang's JointThresholdInDel; block_strategies.indel_step): greedy;
     # editing_threshold None means SGLang's edit_threshold 0; needs a model with DELETE/SPLIT ids.
     indel: bool = False
     # vLLM's extras (per row, traced): EOS never chosen (all gen_length tokens are decoded; no early

@@ -10,7 +10,7 @@ from block_decoding_reference import reference_block_generate, reference_indel_g
 
 from dinfer_jax.cache import cache_shape
 from dinfer_jax.families import preset
-from dinfer_jax.decoding.block_loop import block_decide, indel_rebuild, indel_step
+from dinfer_jax.decoding.block_strategies import block_decide, indel_rebuild, indel_step
 from dinfer_jax.decoding.loop_state import IndelState
 from dinfer_jax.engine import SamplingParams, generate
 from dinfer_jax.model import Model
@@ -219,7 +219,7 @@ def test_server_block_diffusion_request(model):
 def test_llada2_0_transfer_schedule_and_its_limits():
     """reference §5.1: B // steps per step, the first B % steps steps one more; steps > B: one per
     step for B steps. `steps` does not combine with editing (LLaDA2.1 has no schedule)."""
-    from dinfer_jax.decoding.block_loop import transfer_schedule
+    from dinfer_jax.decoding.block_strategies import transfer_schedule
     from dinfer_jax.engine import InvalidParam
     sched = lambda B, steps: np.asarray(transfer_schedule(jnp.arange(steps), B, steps)).tolist()  # noqa: E731
     assert sched(8, 3) == [3, 3, 2]

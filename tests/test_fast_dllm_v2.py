@@ -81,7 +81,7 @@ def test_sub_block_length_validation_names_the_field():
 def test_sub_block_candidates_on_hand_built_masks():
     """The positions a step may commit: the masked first position alone (shifted logits), else the
     masks of the first sub-block holding one; rows independent."""
-    from dinfer_jax.decoding.block_loop import sub_block_candidates
+    from dinfer_jax.decoding.block_strategies import sub_block_candidates
     m = np.array([[1, 1, 1, 1, 1, 1, 1, 1],   # head masked -> only position 0
                   [0, 0, 1, 0, 1, 1, 0, 1],   # sub-block 0 holds masks 2
                   [0, 0, 0, 0, 0, 1, 0, 1],   # sub-block 0 done -> masks 5, 7

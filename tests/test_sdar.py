@@ -331,7 +331,7 @@ def test_block_decoding_matches_sdar_reference(dec_model, steps, threshold):
 def test_confidence_before_filter_on_hand_built_logits():
     """SamplingParams.confidence_before_filter: p of the drawn token under the temperature-scaled
     softmax before top-k / top-p, instead of under the filtered softmax."""
-    from dinfer_jax.decoding.block_loop import sample_tokens
+    from dinfer_jax.decoding.block_strategies import sample_tokens
     logits = jnp.asarray([[[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 2.9, 0.1]]])  # (B=1, S=2, V=4)
     key = jax_keys(1)
     base = {"temperature": jnp.ones(1), "top_k": jnp.ones(1), "top_p": jnp.ones(1)}

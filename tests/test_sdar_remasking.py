@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.families import preset
-from dinfer_jax.decoding.block_loop import entropy, entropy_bounded_transfer, sample_tokens, sequential_transfer
+from dinfer_jax.decoding.block_strategies import entropy, entropy_bounded_transfer, sample_tokens, sequential_transfer
 from dinfer_jax.engine import InvalidParam, SamplingParams, generate
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14], [60, 61, 62]]  # 1, 0, 3 prompt-tail positions

@@ -324,7 +324,7 @@ class DecodeSpec:
     observe: bool = False  # host callback after every iteration (streaming, live canvas); off = no host syncs
     editing: bool = False  # block mode: LLaDA2.1 token-to-token edits (post-fill forwards)
     max_post_steps: int = 16  # block mode with editing: post-fill forwards per block at most
-    indel: bool = False  # block mode: LLaDA2.2 insert/delete editing (block_loop.indel_step; implies editing)
+    indel: bool = False  # block mode: LLaDA2.2 insert/delete editing (block_strategies.indel_step; implies editing)
     alg: str = ""  # strategy "dream": Dream's rule, one of DREAM_ALGS
     logit_shift: int = 0  # the model's ModelConfig.logit_shift (docs/internals/decoding_loops.md)
     sub_block_length: int = 0  # cache="block": sub-blocks decoded left to right (block_loop.py; 0: off)
