@@ -145,6 +145,11 @@ class ModelConfig:
         """EOS for the decoding loop; -1 (never matches) when the folder names none."""
         return -1 if self.eos_token_id is None else self.eos_token_id
 
+    @property
+    def filler_id(self) -> int:
+        """The smallest id that is neither the mask nor EOS: the token of warm-up prompts."""
+        return next(t for t in range(self.vocab_size) if t not in (self.mask_token_id, self.eos_token_id))
+
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 

@@ -78,7 +78,7 @@ class SamplingParams:
     # forbidden, not an end-of-turn id.
     ignore_eos: bool = False
     min_tokens: int = 0
-    # Dream's diffusion_generate sampler (strategy="dream"; reference llada2_and_dream.md §13.5):
+    # Dream's diffusion_generate sampler (strategy="dream"; docs/facts/llada2_and_dream.md §13.5):
     # alg one of origin | maskgit_plus | topk_margin | entropy (None: Dream's default "origin");
     # alg_temp > 0 draws the positions from softmax(confidence / alg_temp) instead of the top k;
     # t = linspace(1, eps, steps_per_block + 1) sets k = int(#masked * (1 - s/t)) per step (the
@@ -156,9 +156,6 @@ class SamplingParams:
         """The static part (the compiled program's key), after `validate`. logit_shift: the model's
         (ModelConfig.logit_shift); `spec_for(cfg)` passes all three."""
         self.validate()
-        if logit_shift and self.smoothing:
-            raise InvalidParam("smoothing", "iteration smoothing is not supported for a model with shifted logits "
-                                            "(Dream)")
         steps_per_block = 0
         if self.cache == "block":  # LLaDA2.0: `steps` counts per block (its transfer schedule)
             steps_per_block = self.steps or 0
@@ -368,8 +365,7 @@ class Generator:
         in `widths`. Safe on a background thread (the server's compile thread)."""
         from dinfer_jax.decoding.segments import RunningBatch
         base = ("segments", spec, gen_start, batch, None)
-        cfg = self.model.config
-        tok = next(t for t in range(cfg.vocab_size) if t not in (cfg.mask_token_id, cfg.eos_token_id))
+        tok = self.model.config.filler_id
         rb = RunningBatch(self, spec, gen_start, batch, use_prefix_cache=False)
         if base not in self._warm:
             knobs = SamplingParams()  # knobs only (check=False): the batch's spec is fixed

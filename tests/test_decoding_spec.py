@@ -70,6 +70,8 @@ def test_server_fields_are_generated_from_the_settings():
             assert getattr(req, name) == v
         with pytest.raises(ValueError):  # strict types: "yes" is no number / boolean / choice
             CompletionRequest(prompt="x", **{name: "yes"})
+    schema = CompletionRequest.model_json_schema()["properties"]  # the help reaches the OpenAPI schema
+    assert all(schema[n].get("description") == s.help for n, s in SETTINGS.items() if s.server and s.help)
 
 
 def test_each_rule_blames_its_own_field():

@@ -82,8 +82,8 @@ def entropy_bounded_transfer(h_BS, masked_BS, bound_B, n_B):
 
 
 def transfer_schedule(step_B, block: int, steps: int):
-    """LLaDA2.0's per-block transfer count at each row's step: block // steps tokens, one more on
-    the first block % steps steps (reference §5.1). steps > block: one per step for `block` steps."""
+    """LLaDA2.0's per-block transfer count at each row's step: block // steps tokens, one more on the
+    first block % steps steps (docs/facts/llada2_and_dream.md §5.1). steps > block: one per step."""
     return block // steps + (step_B < block % steps).astype(jnp.int32)
 
 

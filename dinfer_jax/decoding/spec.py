@@ -427,11 +427,14 @@ class DecodeSpec:
 
 def check_model(spec: DecodeSpec, cfg) -> DecodeSpec:
     """spec, or InvalidParam when the model (a ModelConfig) cannot decode it: block diffusion needs
-    block-causal attention; indel needs the model's DELETE / SPLIT token ids."""
+    block-causal attention; smoothing unshifted logits; indel the model's DELETE / SPLIT token ids."""
     if spec.cache == "block" and cfg.attention_mask != "block_causal":
         raise InvalidParam("cache", f"cache='block' (block diffusion) needs a block-causal model; this "
                                     f"{cfg.family} model has {cfg.attention_mask} attention (use none, prefix, "
                                     f"dual or vicinity)")
+    if spec.smoothing and spec.logit_shift:
+        raise InvalidParam("smoothing", f"iteration smoothing is not supported for a model with shifted logits "
+                                        f"(this {cfg.family} model predicts position i + 1 at i)")
     if spec.indel and not {"delete_token_id", "split_token_id"} <= dict(cfg.extra_token_ids).keys():
         raise InvalidParam("indel", f"indel (LLaDA2.2 insert/delete editing) needs a model whose config declares "
                                     f"delete_token_id and split_token_id; this {cfg.family} model declares "

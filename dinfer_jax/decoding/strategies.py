@@ -141,7 +141,7 @@ def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, st
 
 
 # ---------------------------------------------------------------------------------------------
-# Dream (reference llada2_and_dream.md §13.5)
+# Dream (docs/facts/llada2_and_dream.md §13.5)
 
 
 def torch_linspace_f32(start, end, num: int, i):

@@ -10,7 +10,7 @@ from dinfer_jax.config import ConfigError, ModelConfig, need, partial_rotary_fac
 from dinfer_jax.families import Family
 from dinfer_jax.families.llada_moe import CHAT_TEMPLATE as LLADA_MOE_CHAT_TEMPLATE
 
-# Token ids (reference §1.1): <|mask|> 156895, <|endoftext|> 156892 = eos = pad.
+# Token ids (docs/facts/llada2_and_dream.md §1.1): <|mask|> 156895, <|endoftext|> 156892 = eos = pad.
 DEFAULT_IDS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=156892, eot_token_id=None)
 # LLaDA2.2 edit-control tokens (2nd-hand, fluxserve defaults; read from config.json when present).
 EDIT_TOKENS = (("delete_token_id", 156930), ("split_token_id", 156931))
@@ -138,7 +138,7 @@ _MOE = dict(family="llada2", vocab_size=157184, head_dim=128, rope_theta=600000.
             first_k_dense=1, attention_mask="block_causal", block_size=BLOCK_SIZE,
             max_position_embeddings=32768, extra_token_ids=EDIT_TOKENS, **DEFAULT_IDS)
 PRESETS = {
-    # reference §1 table (2.1-mini config.json, 2nd-hand; dFactory training config, code)
+    # docs/facts/llada2_and_dream.md §1 table (2.1-mini config.json, 2nd-hand; dFactory training config, code)
     "llada2-mini": ModelConfig(hidden_size=2048, num_layers=20, num_heads=16, num_kv_heads=4, intermediate_size=512,
                                dense_intermediate_size=5120, **_MOE),
     # flash sizes from the dFactory training config (code); max_position_embeddings 32768 is 2nd-hand

@@ -158,8 +158,7 @@ class ContinuousBatcher(Scheduler):
 
     def _warmup_prompts(self) -> list[np.ndarray]:
         """One prompt per prompt bucket (`prompt_bucket`) up to cfg.warmup_prompt_len."""
-        mc = self.gen.model.config
-        tok = next(t for t in range(mc.vocab_size) if t not in (mc.mask_token_id, mc.eos_token_id))
+        tok = self.gen.model.config.filler_id
         buckets = sorted({prompt_bucket(n) for n in range(1, max(1, self.cfg.warmup_prompt_len) + 1)})
         return [np.full((n,), tok, np.int32) for n in buckets]
 

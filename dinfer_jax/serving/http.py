@@ -66,12 +66,13 @@ def _setting_type(s: Setting):
 
 
 # The decoding settings a request may set (None = the server's default): every field
-# decoding/spec.SETTINGS marks `server`. Only their types are declared here; their rules live in
-# SamplingParams (one place for the CLI, the library and the server), whose InvalidParam becomes a
-# 400 naming the field.
+# decoding/spec.SETTINGS marks `server`, with its type and help (the OpenAPI schema's description).
+# Their rules live in SamplingParams (one place for the CLI, the library and the server), whose
+# InvalidParam becomes a 400 naming the field.
 DinferFields = create_model(
     "DinferFields", __config__=ConfigDict(extra="forbid", strict=True),
-    **{name: (Optional[_setting_type(s)], None) for name, s in SETTINGS.items() if s.server})
+    **{name: (Optional[_setting_type(s)], Field(None, description=s.help or None))
+       for name, s in SETTINGS.items() if s.server})
 
 
 class CommonFields(DinferFields):

@@ -59,8 +59,7 @@ class StaticBatcher(Scheduler):
     def _warmup_prompts(self) -> list[np.ndarray]:
         """One prompt per prompt-length bucket up to cfg.warmup_prompt_len (the static scheduler's
         buckets: engine's multiples of PROMPT_BUCKET)."""
-        mc = self.gen.model.config
-        tok = next(t for t in range(mc.vocab_size) if t not in (mc.mask_token_id, mc.eos_token_id))
+        tok = self.gen.model.config.filler_id
         lens = range(1, max(1, self.cfg.warmup_prompt_len) + 1, PROMPT_BUCKET)
         return [np.full((n,), tok, np.int32) for n in lens]
 
