@@ -481,10 +481,7 @@ class ContinuousBatcher(Scheduler):
             j = r.tag
             j.record = (r.commit_steps, r.token_logprobs, r.top_logprobs)
             a = self._answer(r.raw_ids, j, j.record)
-            if j.events is not None:
-                bl = rb.spec.block_length
-                self._stream_row(j, r.raw_ids, -(-len(r.raw_ids) // bl), bl, r.nfe)
-                self._emit(j, a["token_ids"], final=True)
+            self._send_final(j, r.raw_ids, a, rb.spec.block_length, r.nfe)
             edits = {} if r.edits is None else {"edits": r.edits}
             self._finish_decoded(j, a, r.nfe, r.tpf, r.steps_per_block, edits, batch_size=rb.B,
                                  segment_seconds=round(time.perf_counter() - t, 4))

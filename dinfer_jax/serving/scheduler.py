@@ -555,16 +555,22 @@ class Scheduler:
             j.record = (r.commit_steps[b], r.token_logprobs[b] if r.token_logprobs is not None else None,
                         r.top_logprobs[b] if r.top_logprobs is not None else None)
             a = self._answer(r.raw_ids[b], j, j.record)
-            if j.events is not None and j.constraint is not None:  # a template's answer is whole at the end
-                self._put(j, (a["text"], a["token_ids"], None, None))
-            elif j.events is not None:
-                bl = j.params.block_length
-                self._stream_row(j, r.raw_ids[b], -(-len(r.raw_ids[b]) // bl), bl, int(r.nfe[b]))
-                self._emit(j, a["token_ids"], final=True)
+            self._send_final(j, r.raw_ids[b], a, j.params.block_length, int(r.nfe[b]))
             edits = {k: getattr(r, k)[b] for k in ("edits", "inserts", "deletes") if getattr(r, k, None) is not None}
             self._finish_decoded(j, a, r.nfe[b], r.tpf[b], r.steps_per_block[b], edits, batch_size=len(batch))
         with self.cond:
             self.stats["completed"] += len(batch)
+
+    def _send_final(self, job: Job, gen_G, answer: dict, bl: int, step: int):
+        """A finished streaming row's last events: a template's answer whole; else the blocks not
+        sent yet (and its last canvas) and the final text."""
+        if job.events is None:
+            return
+        if job.constraint is not None:
+            self._put(job, (answer["text"], answer["token_ids"], None, None))
+            return
+        self._stream_row(job, gen_G, -(-len(gen_G) // bl), bl, step)
+        self._emit(job, answer["token_ids"], final=True)
 
     def _emit_blocks(self, job: Job, gen_G, finished: int, bl: int) -> bool:
         """Stream the blocks `job` has finished since the last call, one event per block (a segment
