@@ -254,10 +254,18 @@ def cache_copies(instrs: list[Instr], canvas: int, kv_heads: int, head_dim: int,
     docs/internals/runtime.md, "TPU plans and AOT export")."""
     merged_min = layer_elems * (2 if kv_heads * head_dim == hidden_size else 1)
 
-    def kv_shaped(d):
+    def kv_shaped(d):  # the canvas dim, and K*H (or H and K) among the other dims
+        if canvas not in d:
+            return False
+        rest = list(d)
+        rest.remove(canvas)
         n = math.prod(d)
-        return canvas in d and ((kv_heads * head_dim in d and n >= merged_min) or
-                                (head_dim in d and kv_heads in d and n >= layer_elems))
+        if kv_heads * head_dim in rest and n >= merged_min:
+            return True
+        if head_dim not in rest or n < layer_elems:
+            return False
+        rest.remove(head_dim)
+        return kv_heads in rest
     return [i for i in instrs if i.in_loop and i.opcode == "copy" and not i.computation.startswith("fused_")
             and any(kv_shaped(d) for d in i.dims)]
 

@@ -191,6 +191,12 @@ def test_kv_copy_audit_sees_either_cache_layout():
     found = cache_copies([copy((1, L, K * H)), copy((20, 1, L, K * H)), copy((1, L, K, H))], L, K, H, layer,
                          hidden_size=K * H)
     assert [i.dims for i in found] == [((20, 1, L, K * H),), ((1, L, K, H),)]
+    # the canvas length equal to K*H (LLaDA-8B on v7x under model=8: L = 512 = 4 heads x 128): a
+    # (B, L, D) hidden state or an (L, F) activation is no cache; a (B, K, 1, L, H) K/V slice is
+    L2, K2, D = 512, 4, 4096
+    found = cache_copies([copy((1, L2, D)), copy((L2, 1536)), copy((1, K2, 1, L2, H))], L2, K2, H, L2 * K2 * H,
+                         hidden_size=D)
+    assert [i.dims for i in found] == [((1, K2, 1, L2, H),)]
 
 
 @needs_libtpu
