@@ -146,7 +146,7 @@ def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix
     """The continuous-batching programs for `batch` slots of prompts up to `prompt_len` tokens:
     {name: (jitted fn, abstract args, static args)} for "init", "segment" and, for block diffusion
     with prefix_width, "init_prefix" (decoding/segments.py)."""
-    from dinfer_jax.decoding.spec import ROW_KNOBS
+    from dinfer_jax.decoding.spec import ROW_KNOBS, RowKnobs
     cfg = model.config
     spec = sampling.spec_for(cfg)
     shape = model.generator.program_shape(batch, prompt_len, spec)  # the generate program's canvas layout
@@ -154,7 +154,7 @@ def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix
     init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)
     sd = jax.ShapeDtypeStruct
     row = lambda dt: sd((batch,), dt, sharding=model.batch_sharding((batch,)))
-    knobs = {k: row(jnp.uint32 if k == "seed" else jnp.float32) for k in ROW_KNOBS}
+    knobs = RowKnobs.build(lambda k: row(jnp.uint32 if k == "seed" else jnp.float32), ROW_KNOBS)
     params = model.abstract_params()
     args = (params, sd((batch, Lc), jnp.int32, sharding=model.batch_sharding((batch, Lc))), row(jnp.int32),
             row(jnp.int32), row(jnp.bool_), knobs)

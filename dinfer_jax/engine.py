@@ -21,8 +21,8 @@ from dinfer_jax.decoding.prefix_cache import PrefixCache
 from dinfer_jax.decoding.loop import generate_loop, refresh_rows_for
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.decoding.spec import (DREAM, EB_THRESHOLD, KNOBS, ROW_KNOBS, SCHEDULED,
-                                      SETTINGS, DecodeSpec, InvalidParam, check_field, check_model, check_rules,
-                                      logprob_bucket, program_spec)
+                                      SETTINGS, DecodeSpec, InvalidParam, RowKnobs, check_field, check_model,
+                                      check_rules, logprob_bucket, program_spec)
 
 
 PROMPT_BUCKET = 32  # prompt lengths are padded up to a multiple of this
@@ -419,17 +419,18 @@ class Generator:
 
     def program_args(self, shape: ProgramShape, constraint_classes: int = 0) -> tuple:
         """The generate program's arguments as ShapeDtypeStructs (with the model's shardings): params,
-        canvas (B, Lc) int32, pad / plen (B,) int32, active (B,) bool, knobs {k: (B,)}, observer id ().
-        constraint_classes C > 0 (canvas templates): knobs also hold allow_class (B, Lc) int32 and
-        allowed (B, C, V) bool (decoding/constraint.py)."""
+        canvas (B, Lc) int32, pad / plen (B,) int32, active (B,) bool, RowKnobs, observer id ().
+        constraint_classes C > 0 (canvas templates): the knobs' allow_class (B, Lc) int32 and
+        allowed (B, C, V) bool are set (decoding/constraint.py)."""
         m, B = self.model, shape.batch
         sd = jax.ShapeDtypeStruct
         row = lambda dt: sd((B,), dt, sharding=m.batch_sharding((B,)))
-        knobs = {k: row(np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
+        knobs = RowKnobs.build(lambda k: row(np.uint32 if k == "seed" else np.float32), ROW_KNOBS)
         if constraint_classes:
             V = m.config.vocab_size
-            knobs["allow_class"] = sd((B, shape.canvas_length), np.int32, sharding=m.batch_sharding((B, 1)))
-            knobs["allowed"] = sd((B, constraint_classes, V), np.bool_, sharding=m.batch_sharding((B, 1, 1)))
+            knobs = knobs.replace(
+                allow_class=sd((B, shape.canvas_length), np.int32, sharding=m.batch_sharding((B, 1))),
+                allowed=sd((B, constraint_classes, V), np.bool_, sharding=m.batch_sharding((B, 1, 1))))
         return (m.abstract_params(), sd((B, shape.canvas_length), np.int32, sharding=m.batch_sharding((B, 1))),
                 row(np.int32), row(np.int32), row(np.bool_), knobs, sd((), np.int32, sharding=m.replicated()))
 
@@ -486,17 +487,17 @@ class Generator:
             pad[b], plen[b] = gen_start - len(r), len(r)
         canvas[:len(rows), gen_start:gen_start + spec.gen_length] = cfg.mask_token_id
         active = np.arange(B) < len(rows)
-        knobs = {k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
-                             np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
+        knobs = RowKnobs.build(lambda k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
+                                                  np.uint32 if k == "seed" else np.float32), ROW_KNOBS)
         if n_classes:
-            knobs["allow_class"] = np.zeros((B, shape.canvas_length), np.int32)
-            knobs["allowed"] = np.ones((B, spec.constraint_classes, cfg.vocab_size), bool)
+            knobs = knobs.replace(allow_class=np.zeros((B, shape.canvas_length), np.int32),
+                                  allowed=np.ones((B, spec.constraint_classes, cfg.vocab_size), bool))
             G = spec.gen_length
             for b, t in enumerate(templates):
-                canvas[b, gen_start:gen_start + G], knobs["allow_class"][b, gen_start:gen_start + G] = \
+                canvas[b, gen_start:gen_start + G], knobs.allow_class[b, gen_start:gen_start + G] = \
                     template_region(t, G, cfg.mask_token_id, cfg.eos_id)
                 if t is not None:
-                    knobs["allowed"][b] = t.allowed_table(cfg.vocab_size, cfg.mask_token_id, spec.constraint_classes)
+                    knobs.allowed[b] = t.allowed_table(cfg.vocab_size, cfg.mask_token_id, spec.constraint_classes)
         put = self.model.place
         host = (canvas, pad, plen, active, knobs, np.int32(observer_id))
         args = (self.model.params,) + jax.tree_util.tree_map(put, host, sds[1:])

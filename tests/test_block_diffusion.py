@@ -15,6 +15,7 @@ from dinfer_jax.decoding.loop_state import IndelState
 from dinfer_jax.engine import SamplingParams, generate
 from dinfer_jax.model import Model
 from dinfer_jax.models import init_params
+from knobs_helper import row_knobs  # noqa: E402
 
 CFG = preset("tiny-llada2")
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
@@ -93,16 +94,15 @@ def test_block_decide_on_hand_built_logits():
     logits[0, 3, 6] = 10.0  # filled 4, confident 6 -> edited
     logits[0, 4, 8] = 1.0   # filled 5, unsure 8 (p 0.23) -> kept
     logits[0, 5, 0] = 0.4   # mask, unsure (p 0.142)
-    knobs = {"temperature": jnp.zeros(1), "top_k": jnp.zeros(1), "top_p": jnp.ones(1),
-             "threshold": jnp.full(1, 0.9), "num_to_transfer": jnp.ones(1), "editing_threshold": jnp.full(1, 0.8)}
+    knobs = row_knobs(1, temperature=jnp.zeros(1), top_k=jnp.zeros(1), top_p=jnp.ones(1),
+                      threshold=jnp.full(1, 0.9), num_to_transfer=jnp.ones(1), editing_threshold=jnp.full(1, 0.8))
     keys = jax.random.split(jax.random.key(0), 1)
     new, m2t, t2t = block_decide(jnp.asarray(logits), x, editable, M, knobs, keys, editing=True)
     assert new.tolist() == [[3, 1, M, 6, 5, M]] and t2t.tolist() == [[False, False, False, True, False, False]]
     new, _, t2t = block_decide(jnp.asarray(logits), x, editable, M, knobs, keys, editing=False)
     assert new.tolist() == [[3, 1, M, 4, 5, M]] and not t2t.any()
     # No mask above the threshold: the num_to_transfer most probable masks are committed anyway.
-    knobs["threshold"] = jnp.full(1, 0.9999)
-    knobs["num_to_transfer"] = jnp.full(1, 2.0)
+    knobs = knobs.replace(threshold=jnp.full(1, 0.9999), num_to_transfer=jnp.full(1, 2.0))
     new, m2t, _ = block_decide(jnp.asarray(logits), x, editable, M, knobs, keys, editing=False)
     assert m2t.tolist() == [[False, True, True, False, False, False]]
 
@@ -305,7 +305,7 @@ def test_indel_step_on_hand_built_logits():
     from dinfer_jax.decoding.spec import DecodeSpec
     M, D, S, V = 9, 7, 8, 10
     spec = DecodeSpec(gen_length=8, block_length=4, cache="block", mask_id=M, eos_id=0, indel=True, max_post_steps=2)
-    knobs = {"threshold": jnp.full(1, 0.9), "editing_threshold": jnp.full(1, 0.9), "num_to_transfer": jnp.ones(1)}
+    knobs = row_knobs(1, threshold=jnp.full(1, 0.9), editing_threshold=jnp.full(1, 0.9), num_to_transfer=jnp.ones(1))
     gen = jnp.ones((1, 4), bool)
     lg = np.full((1, 4, V), -5.0, np.float32)
     lg[0, 0, M], lg[0, 0, 3] = 4.0, 2.0   # original mask predicting MASK -> its next best, 3 (p ~ 0.1)
@@ -341,7 +341,7 @@ def test_indel_step_on_hand_built_logits():
     x = jnp.asarray([[2, 2, 2, 1]])
     st = _indel_state(7, 4)
     st = st.replace(seen=st.seen.at[0, 0].set(x[0]), hist=st.hist.at[0, 0].set(jnp.asarray([-1, -1, -1, 4])))
-    knobs["editing_threshold"] = jnp.zeros(1)
+    knobs = knobs.replace(editing_threshold=jnp.zeros(1))
     new, fin, _, st4, _, _, _ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), st, knobs,
                                            spec, D, S)
     assert new.tolist() == [[2, 2, 2, 2]] and not fin[0]  # argmax 4 was tried: the next best, 2
@@ -350,7 +350,7 @@ def test_indel_step_on_hand_built_logits():
                          spec, D, S)
     assert new.tolist() == [[2, 2, 2, 4]]  # not seen before: the argmax
     # A block with no mask and no edit above the threshold writes nothing and ends unchanged.
-    knobs["editing_threshold"] = jnp.full(1, 0.99)
+    knobs = knobs.replace(editing_threshold=jnp.full(1, 0.99))
     new, fin, *_ = indel_step(jnp.asarray(lg2), x, gen, jnp.asarray([1]), jnp.asarray([0]), _indel_state(7, 4),
                               knobs, spec, D, S)
     assert new.tolist() == x.tolist() and fin[0]

@@ -19,6 +19,7 @@ from dinfer_jax import families  # noqa: E402
 from dinfer_jax.families import from_hf_dict, preset, to_hf_dict  # noqa: E402
 from dinfer_jax.decoding import strategies as st  # noqa: E402
 from dinfer_jax.engine import InvalidParam, SamplingParams, generate  # noqa: E402
+from knobs_helper import row_knobs  # noqa: E402
 
 CFG = preset("tiny-dream")
 REL_TOL = 1e-4
@@ -194,8 +195,8 @@ def test_random_draws_statistics():
     logits = np.tile(rng.randn(1, S, V).astype(np.float32) * 2, (R, 1, 1))
     x = np.full((R, S), M, np.int32)
     x[:, 3] = 1  # not masked: never picked
-    knobs = dict(temperature=np.zeros(R, np.float32), top_p=np.ones(R, np.float32), top_k=np.zeros(R, np.float32),
-                 alg_temp=np.full(R, 0.05, np.float32))
+    knobs = row_knobs(R, temperature=np.zeros(R, np.float32), top_p=np.ones(R, np.float32),
+                      top_k=np.zeros(R, np.float32), alg_temp=np.full(R, 0.05, np.float32))
     keys = jax.vmap(jax.random.key)(jnp.arange(R, dtype=jnp.uint32))
     f = jax.jit(lambda l, x, kn, keys, k: st.dream_decide("maskgit_plus", l, x, M, kn, keys_B=keys,
                                                           frac_B=jnp.zeros(R), k_B=k))
@@ -210,8 +211,8 @@ def test_random_draws_statistics():
     np.testing.assert_allclose(tr[:, :3].mean(0), w, atol=0.03)
     assert (np.asarray(cand) == p.argmax(-1)).all()  # temperature 0: argmax candidates
     # temperature 1 with top_k 2: tokens from the renormalised top-2 distribution
-    knobs2 = {**knobs, "temperature": np.ones(R, np.float32), "top_k": np.full(R, 2, np.float32),
-              "alg_temp": np.zeros(R, np.float32)}
+    knobs2 = knobs.replace(temperature=jnp.ones(R, jnp.float32), top_k=jnp.full(R, 2, jnp.float32),
+                           alg_temp=jnp.zeros(R, jnp.float32))
     cand2, _ = f(logits, x, knobs2, keys, jnp.ones(R, jnp.int32))
     cand2 = np.asarray(cand2)[:, 0]
     top2 = np.argsort(-logits[0, 0])[:2]

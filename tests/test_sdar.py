@@ -16,6 +16,7 @@ import pytest
 
 from dinfer_jax.config import ConfigError
 from dinfer_jax.families import from_hf_dict, load_hf_config, preset, to_hf_dict
+from knobs_helper import row_knobs  # noqa: E402
 
 REL_TOL = 1e-4
 CFG_DENSE = preset("tiny-sdar")  # tied embeddings, GQA 4/2, block 4
@@ -334,25 +335,25 @@ def test_confidence_before_filter_on_hand_built_logits():
     from dinfer_jax.decoding.block_strategies import sample_tokens
     logits = jnp.asarray([[[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 2.9, 0.1]]])  # (B=1, S=2, V=4)
     key = jax_keys(1)
-    base = {"temperature": jnp.ones(1), "top_k": jnp.ones(1), "top_p": jnp.ones(1)}
-    v, p = sample_tokens(logits, {**base, "confidence_before_filter": jnp.zeros(1)}, key)
+    base = row_knobs(1, temperature=jnp.ones(1), top_k=jnp.ones(1), top_p=jnp.ones(1))
+    v, p = sample_tokens(logits, base.replace(confidence_before_filter=jnp.zeros(1)), key)
     np.testing.assert_array_equal(np.asarray(v), [[0, 1]])
     np.testing.assert_allclose(np.asarray(p), [[1.0, 1.0]])  # top_k 1: the filtered softmax is one-hot
-    v2, p2 = sample_tokens(logits, {**base, "confidence_before_filter": jnp.ones(1)}, key)
+    v2, p2 = sample_tokens(logits, base.replace(confidence_before_filter=jnp.ones(1)), key)
     soft = np.exp(np.asarray(logits[0])) / np.exp(np.asarray(logits[0])).sum(-1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(v2), [[0, 1]])
     np.testing.assert_allclose(np.asarray(p2)[0], [soft[0, 0], soft[1, 1]], rtol=1e-6)
     # temperature 0.5, top_p 0.5: the draw is among the kept tokens, p under softmax(l / 0.5) unfiltered.
-    knobs = {"temperature": jnp.full(1, 0.5), "top_k": jnp.zeros(1), "top_p": jnp.full(1, 0.5),
-             "confidence_before_filter": jnp.ones(1)}
+    knobs = row_knobs(1, temperature=jnp.full(1, 0.5), top_k=jnp.zeros(1), top_p=jnp.full(1, 0.5),
+                      confidence_before_filter=jnp.ones(1))
     v3, p3 = sample_tokens(logits, knobs, key)
     scaled = np.exp(2 * np.asarray(logits[0]))
     scaled /= scaled.sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(p3)[0], scaled[[0, 1], np.asarray(v3)[0]], rtol=1e-6)
     # Greedy rows (temperature 0) are unaffected by the knob.
-    g = {"temperature": jnp.zeros(1), "top_k": jnp.ones(1), "top_p": jnp.ones(1)}
-    _, pg0 = sample_tokens(logits, {**g, "confidence_before_filter": jnp.zeros(1)}, key)
-    _, pg1 = sample_tokens(logits, {**g, "confidence_before_filter": jnp.ones(1)}, key)
+    g = row_knobs(1, temperature=jnp.zeros(1), top_k=jnp.ones(1), top_p=jnp.ones(1))
+    _, pg0 = sample_tokens(logits, g.replace(confidence_before_filter=jnp.zeros(1)), key)
+    _, pg1 = sample_tokens(logits, g.replace(confidence_before_filter=jnp.ones(1)), key)
     np.testing.assert_allclose(np.asarray(pg0), np.asarray(pg1))
     np.testing.assert_allclose(np.asarray(pg0)[0], [soft[0, 0], soft[1, 1]], rtol=1e-6)
 

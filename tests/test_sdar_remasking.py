@@ -17,6 +17,7 @@ import pytest
 from dinfer_jax.families import preset
 from dinfer_jax.decoding.block_strategies import entropy, entropy_bounded_transfer, sample_tokens, sequential_transfer
 from dinfer_jax.engine import InvalidParam, SamplingParams, generate
+from knobs_helper import row_knobs  # noqa: E402
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9, 10, 11, 12, 13, 14], [60, 61, 62]]  # 1, 0, 3 prompt-tail positions
 G = 16
@@ -184,13 +185,13 @@ def test_entropy_of_the_sampling_distribution():
     np.testing.assert_allclose(np.asarray(entropy(logits))[0], want, rtol=1e-5)
     # Filtered-out (-inf) entries contribute 0: top_k 1 -> a one-hot distribution, entropy 0.
     key = jax.vmap(jax.random.key)(jnp.arange(1, dtype=jnp.uint32))
-    knobs = {"temperature": jnp.ones(1), "top_k": jnp.ones(1), "top_p": jnp.ones(1),
-             "confidence_before_filter": jnp.zeros(1)}
+    knobs = row_knobs(1, temperature=jnp.ones(1), top_k=jnp.ones(1), top_p=jnp.ones(1),
+                      confidence_before_filter=jnp.zeros(1))
     _, _, h = sample_tokens(logits, knobs, key, with_entropy=True)
     np.testing.assert_allclose(np.asarray(h), 0.0, atol=1e-6)
-    _, _, h = sample_tokens(logits, {**knobs, "confidence_before_filter": jnp.ones(1)}, key, with_entropy=True)
+    _, _, h = sample_tokens(logits, knobs.replace(confidence_before_filter=jnp.ones(1)), key, with_entropy=True)
     np.testing.assert_allclose(np.asarray(h)[0], want, rtol=1e-5)  # before the filter: softmax(l / 1)
-    greedy = {**knobs, "temperature": jnp.zeros(1)}  # temperature 0: the plain softmax
+    greedy = knobs.replace(temperature=jnp.zeros(1))  # temperature 0: the plain softmax
     _, _, h = sample_tokens(logits, greedy, key, with_entropy=True)
     np.testing.assert_allclose(np.asarray(h)[0], want, rtol=1e-5)
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.decoding import strategies as st
+from knobs_helper import row_knobs  # noqa: E402
 
 pytestmark = pytest.mark.smoke
 
@@ -21,9 +22,9 @@ def logits_for(confs, tokens, V=10):
 
 
 def run(kind, confs, tokens, x, **kw):
-    knobs = {k: jnp.asarray([v], jnp.float32) for k, v in dict(
+    knobs = row_knobs(1, **{k: jnp.asarray([v], jnp.float32) for k, v in dict(
         temperature=0.0, low_threshold=kw.pop("low", 0.4), factor=kw.pop("factor", 1.0), credit_alpha=0.7,
-        credit_gamma=0.2, credit_beta=0.8).items()}
+        credit_gamma=0.2, credit_beta=0.8).items()})
     lg = jnp.asarray(logits_for(confs, tokens))[None]
     cand, transfer, _ = st.decide(kind, lg, jnp.asarray([x], jnp.int32), M, knobs,
                                   keys_B=jax.vmap(jax.random.key)(jnp.asarray([0], jnp.uint32)), step_B=jnp.asarray([kw.pop("step", 0)]),

@@ -33,7 +33,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
     row_end_B = pad_B + -(-(prompt_len_B + gen_end_B - gen_start) // Bk) * Bk
     n_blocks_B = (row_end_B - first_B) // Bk
     key_mask_BL = (idx_L[None, :] >= pad_B[:, None]) & (idx_L[None, :] < row_end_B[:, None])
-    base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
+    base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs.seed.astype(jnp.uint32))
 
     if spec.indel:
         ids = dict(cfg.extra_token_ids)
@@ -140,11 +140,11 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             keys = jax.vmap(jax.random.fold_in)(base_keys, s.it)
             logits = forbid_eos(logits, blk_idx - gen_start, spec.eos_id, knobs)  # ignore_eos / min_tokens
             if spec.constraint_classes:  # canvas templates (decoding/constraint.py)
-                logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
+                logits = constrain_logits(logits, window_slice(knobs.allow_class, start_B, Bk), knobs.allowed,
                                           x_blk)
             n_B = None
             if spec.steps_per_block:
-                n_B = jnp.maximum(knobs["num_to_transfer"].astype(jnp.int32),
+                n_B = jnp.maximum(knobs.num_to_transfer.astype(jnp.int32),
                                   transfer_schedule(s.stp, Bk, spec.steps_per_block))
             if spec.indel:
                 new_blk, fin_ind, post_ind, ind, t2t, n_ins, n_del = indel_step(
@@ -178,7 +178,7 @@ def block_loop_functions(module, params, spec, pad_B, prompt_len_B, gen_start: i
             # the first stop id anyway, and under block-causal attention later blocks never change
             # earlier ones, so this only saves forwards (SDAR stops on its EOS list the same way).
             has_eot = jnp.any((new_blk == cfg.eot_token_id) & in_gen, axis=-1)
-            has_eos |= has_eot & (knobs["ignore_eos"] <= 0)
+            has_eos |= has_eot & (knobs.ignore_eos <= 0)
         stop_now = finished & has_eos
         fill = stop_now[:, None] & (idx_L[None, :] >= (start_B + Bk)[:, None]) & (idx_L[None, :] < gen_end_B[:, None])
         x = jnp.where(fill & (x == M), spec.eos_id, x)  # only masks: a template's fixed tokens stay

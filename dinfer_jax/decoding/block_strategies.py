@@ -16,11 +16,11 @@ def sample_tokens(logits_BSV, knobs, keys_B, with_entropy: bool = False):
     and one Gumbel-max draw; rules: docs/internals/decoding_loops.md). with_entropy: also the
     entropy h_BS (nats, fp32) of the distribution p is read from -> (v, p, h_BS)."""
     l = logits_BSV.astype(jnp.float32)
-    T = knobs["temperature"][:, None, None]
+    T = knobs.temperature[:, None, None]
     greedy = T <= 0
     V = l.shape[-1]
-    k = knobs["top_k"].astype(jnp.int32)[:, None, None]
-    top_p = knobs["top_p"][:, None, None]
+    k = knobs.top_k.astype(jnp.int32)[:, None, None]
+    top_p = knobs.top_p[:, None, None]
 
     def filtered(_):  # logits / T, then top-k and top-p (only traced work when some row samples)
         lt = l / jnp.where(greedy, 1.0, T)
@@ -41,8 +41,8 @@ def sample_tokens(logits_BSV, knobs, keys_B, with_entropy: bool = False):
     prob = lambda a: jnp.exp(jnp.take_along_axis(a, v[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(a, axis=-1))
     p = prob(lt)
     before = None
-    if knobs.get("confidence_before_filter") is not None:
-        before = (knobs["confidence_before_filter"] > 0)[:, None]
+    if knobs.confidence_before_filter is not None:
+        before = (knobs.confidence_before_filter > 0)[:, None]
         p = jnp.where(before, prob(raw), p)
     if not with_entropy:
         return v, p
@@ -116,20 +116,20 @@ def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, edi
                  cand_BS=None, strategy: str = "threshold"):
     """One decoder step on each row's block -> (new x_BS, m2t_BS, t2t_BS) (module doc).
     editable_BS: generated (non-prompt) positions of the block; n_B: the M2T count (default
-    knobs["num_to_transfer"]); cand_BS: the masked positions M2T may pick (default: every mask);
+    knobs.num_to_transfer); cand_BS: the masked positions M2T may pick (default: every mask);
     strategy (static): the M2T rule, "threshold" (LLaDA2's), "sequential" or "entropy_bounded"
     (SDAR's; knob eb_threshold is the entropy bound)."""
     eb = strategy == "entropy_bounded"
     v, p, *h = sample_tokens(logits_BSV, knobs, keys_B, with_entropy=eb)
     masked = x_BS == mask_id if cand_BS is None else cand_BS
-    n = knobs["num_to_transfer"].astype(jnp.int32) if n_B is None else n_B
+    n = knobs.num_to_transfer.astype(jnp.int32) if n_B is None else n_B
     if strategy == "sequential":
         m2t = sequential_transfer(masked, n)
     elif eb:
-        m2t = entropy_bounded_transfer(h[0], masked, knobs["eb_threshold"], n)
+        m2t = entropy_bounded_transfer(h[0], masked, knobs.eb_threshold, n)
     elif strategy == "threshold":
         c = jnp.where(masked, p, -jnp.inf)
-        high = masked & (c > knobs["threshold"][:, None])
+        high = masked & (c > knobs.threshold[:, None])
         enough = jnp.sum(high, axis=-1) >= n
         top = masked & (rank_desc(c) < jnp.minimum(n, jnp.sum(masked, axis=-1))[:, None])
         m2t = jnp.where(enough[:, None], high, top)
@@ -137,7 +137,7 @@ def block_decide(logits_BSV, x_BS, editable_BS, mask_id: int, knobs, keys_B, edi
         raise ValueError(f"unknown block-diffusion strategy {strategy!r}")
     t2t = jnp.zeros_like(m2t)
     if editing:
-        t2t = editable_BS & ~masked & (p > knobs["editing_threshold"][:, None]) & (v != x_BS)
+        t2t = editable_BS & ~masked & (p > knobs.editing_threshold[:, None]) & (v != x_BS)
     return jnp.where(m2t | t2t, v, x_BS), m2t, t2t
 
 
@@ -188,8 +188,8 @@ def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_
     v, p = jnp.where(fb, v_nm, v), jnp.where(fb, prob(v_nm), p)
     # M2T: (num_to_transfer + introduced masks) while original masks remain, else every mask.
     conf = jnp.where(mask, p, -jnp.inf)
-    need = knobs["num_to_transfer"].astype(jnp.int32) + n_mask - n_orig
-    high = mask & (conf > knobs["threshold"][:, None])
+    need = knobs.num_to_transfer.astype(jnp.int32) + n_mask - n_orig
+    high = mask & (conf > knobs.threshold[:, None])
     top = mask & (rank_desc(conf) < jnp.minimum(need, n_mask)[:, None])
     part = jnp.where((jnp.sum(high, axis=-1) >= need)[:, None], high, top)
     m2t = jnp.where((cleanup | (n_orig == 0))[:, None], mask, part)
@@ -197,7 +197,7 @@ def indel_step(logits_BSV, x_BS, gen_BS, stp_B, post_B, st, knobs, spec, delete_
         last = (n_orig > 0) & ~jnp.any(omask & ~m2t, axis=-1)
         cleanup |= last
         m2t = jnp.where(last[:, None], mask, m2t)
-    t2t = gen_BS & ~mask & (p > knobs["editing_threshold"][:, None]) & (v != x_BS)
+    t2t = gen_BS & ~mask & (p > knobs.editing_threshold[:, None]) & (v != x_BS)
     tr = m2t | t2t
     empty = ~jnp.any(tr, axis=-1)
     # The cleanup writes no MASK / DELETE / SPLIT.

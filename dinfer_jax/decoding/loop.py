@@ -19,14 +19,14 @@ from dinfer_jax.decoding.constraint import constrain_logits
 from dinfer_jax.decoding.observe import emit
 from dinfer_jax.decoding.loop_state import CanvasLoopState
 from dinfer_jax.decoding.row_state import commit_record, commit_record_init, record_region, row_gen_end
-from dinfer_jax.decoding.spec import DREAM, FIXED, SCHEDULED, DecodeSpec
+from dinfer_jax.decoding.spec import DREAM, FIXED, SCHEDULED, DecodeSpec, RowKnobs
 
 def _forward(module, params, spec, x_BL, soft_BLD, it_B, knobs, **kw):
     """Model forward on tokens, or on smoothed embeddings when iteration smoothing is on."""
     if not spec.smoothing:
         return module.apply({"params": params}, tokens_BS=x_BL, **kw)
     emb = module.apply({"params": params}, x_BL, method="embed_tokens")
-    w = jnp.minimum(0.15 + 0.02 * it_B.astype(jnp.float32), knobs["cont_weight"])[:, None, None]
+    w = jnp.minimum(0.15 + 0.02 * it_B.astype(jnp.float32), knobs.cont_weight)[:, None, None]
     emb = jnp.where((x_BL == spec.mask_id)[..., None], emb + w.astype(emb.dtype) * soft_BLD.astype(emb.dtype), emb)
     return module.apply({"params": params}, embeds_BSD=emb, **kw)
 
@@ -39,12 +39,12 @@ def _soft_embeddings(module, params, logits_BSV):
 
 
 def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len_B, gen_start: int,
-                  active_B, knobs: dict[str, Any], observer_id=None, refresh_rows: tuple[int, ...] = ()):
+                  active_B, knobs: RowKnobs, observer_id=None, refresh_rows: tuple[int, ...] = ()):
     """Run the whole generation. Returns (canvas_BL, stats dict of arrays).
 
     canvas_BL: int32 tokens (layout above); pad_B: left pads per row; prompt_len_B: real prompt
     tokens per row; gen_start: static index where every row's generation region begins;
-    active_B: False for bucket-filler rows; knobs: per-row (B,) arrays named in decoding/spec.KNOBS.
+    active_B: False for bucket-filler rows; knobs: the rows' values (decoding/spec.RowKnobs).
     observer_id: int32 scalar naming a host observer (decoding/observe.py); used only when
     spec.observe, which adds one host callback per iteration with the generation region.
     refresh_rows: see loop_functions.
@@ -98,7 +98,7 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
     else:
         first_B = jnp.full((B,), gen_start, jnp.int32)
     n_blocks_B = (gen_end_B - first_B + Bk - 1) // Bk
-    base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs["seed"].astype(jnp.uint32))
+    base_keys = jax.vmap(lambda s: jax.random.key(s))(knobs.seed.astype(jnp.uint32))
 
     def block_start(blk_B):
         return first_B + blk_B * Bk
@@ -208,16 +208,16 @@ def loop_functions(module, params, spec: DecodeSpec, pad_B, prompt_len_B, gen_st
             n_entry = jnp.where(s.stp == 0, jnp.sum(masked, axis=-1), s.n_entry)
             quota = (st.num_transfer_tokens(n_entry, spec.steps_per_block, s.stp)
                      if spec.strategy in FIXED else n_entry)
-            tau = knobs["threshold"]
+            tau = knobs.threshold
             if spec.smoothing:
                 tau = jnp.maximum(1.0 - 0.02 * s.it.astype(jnp.float32), tau)
             keys = jax.vmap(jax.random.fold_in)(base_keys, s.it)
             logits = st.forbid_eos(logits, start_B[:, None] + jnp.arange(Bk)[None, :] - gen_start, spec.eos_id, knobs)
             if spec.constraint_classes:
-                logits = constrain_logits(logits, window_slice(knobs["allow_class"], start_B, Bk), knobs["allowed"],
+                logits = constrain_logits(logits, window_slice(knobs.allow_class, start_B, Bk), knobs.allowed,
                                           x_blk)
             if spec.strategy == DREAM:
-                frac, k = st.dream_schedule(knobs["eps"], spec.steps_per_block, s.stp, jnp.sum(masked, axis=-1))
+                frac, k = st.dream_schedule(knobs.eps, spec.steps_per_block, s.stp, jnp.sum(masked, axis=-1))
                 cand, transfer = st.dream_decide(spec.alg, logits, x_blk, M, knobs, keys_B=keys, frac_B=frac, k_B=k)
                 credit = None
             else:

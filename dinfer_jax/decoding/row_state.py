@@ -12,9 +12,9 @@ from dinfer_jax.decoding.loop_state import CommitRecord
 def row_gen_end(knobs, gen_start: int, spec):
     """Per-row end of the generation region (B,): gen_start + the row's gen_length (spec.gen_length
     when the knob is absent)."""
-    if "gen_length" not in knobs:
-        return jnp.full(knobs["seed"].shape, gen_start + spec.gen_length, jnp.int32)
-    return gen_start + jnp.minimum(knobs["gen_length"].astype(jnp.int32), spec.gen_length)
+    if knobs.gen_length is None:
+        return jnp.full(knobs.seed.shape, gen_start + spec.gen_length, jnp.int32)
+    return gen_start + jnp.minimum(knobs.gen_length.astype(jnp.int32), spec.gen_length)
 
 
 def commit_record_init(B: int, Lc: int, spec) -> CommitRecord:

@@ -14,7 +14,7 @@ import numpy as np
 
 from dinfer_jax.cache import cache_shape
 from dinfer_jax.decoding.loop import loop_functions
-from dinfer_jax.decoding.spec import ROW_KNOBS, DecodeSpec, same_program
+from dinfer_jax.decoding.spec import ROW_KNOBS, DecodeSpec, RowKnobs, same_program
 from dinfer_jax.decoding.row_state import record_region
 from dinfer_jax.decoding.rows import knob_value, row_output, row_record
 from dinfer_jax.sharding import to_host
@@ -44,7 +44,7 @@ def segment_program(module, spec: DecodeSpec, gen_start: int, Lc: int, refresh_r
         _, body = loop_functions(module, params, spec, pad_B, plen_B, gen_start, Lc, knobs,
                                     refresh_rows=refresh_rows)
         done0 = state.done
-        bound_B = (spec.row_max_iterations(knobs["gen_length"]) if "gen_length" in knobs
+        bound_B = (spec.row_max_iterations(knobs.gen_length) if knobs.gen_length is not None
                    else jnp.full(done0.shape, spec.max_iterations, jnp.int32))
 
         def cond(c):
@@ -93,8 +93,8 @@ class RunningBatch:
         self.slots: list[Any] = [None] * batch  # request tag per slot (None: free)
         self.pad = np.full((batch,), gen_start, np.int32)
         self.plen = np.zeros((batch,), np.int32)
-        self.knobs = {k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32) for k in ROW_KNOBS}
-        self.knobs["threshold"][:] = 1.0
+        self.knobs = RowKnobs.build(lambda k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32), ROW_KNOBS)
+        self.knobs.threshold[:] = 1.0
         self.glen = np.full((batch,), spec.gen_length, np.int32)  # each slot's own gen_length
         self.top_n: list[int | None] = [None] * batch  # each slot's SamplingParams.logprobs
         self._init, self._segment, self._merge, self._init_prefix = generator.segment_programs(spec, gen_start, batch)
@@ -152,14 +152,14 @@ class RunningBatch:
             canvas[b, self.gen_start:self.gen_start + glen] = cfg.mask_token_id
             self.pad[b], self.plen[b], self.glen[b] = self.gen_start - len(ids), len(ids), glen
             for k in ROW_KNOBS:
-                self.knobs[k][b] = knob_value(sp, k)
-            self.knobs["gen_length"][b] = glen
+                getattr(self.knobs, k)[b] = knob_value(sp, k)
+            self.knobs.gen_length[b] = glen
             self.top_n[b] = sp.logprobs
             self.slots[b] = tag
             take[b] = True
             used.append(b)
         put = self.gen.model.place_batch
-        args = self._ctx = (put(self.pad), put(self.plen), {k: put(v) for k, v in self.knobs.items()})
+        args = self._ctx = (put(self.pad), put(self.plen), jax.tree_util.tree_map(put, self.knobs))
         pc = self.prefix_cache
         hits = self._lookup(items, used) if pc is not None else None
         if hits is not None and hits[1] < self.gen_start:  # prefill only the uncached prompt tails
@@ -198,13 +198,13 @@ class RunningBatch:
         src_of[used], take[used] = slots, True
         # everything that can fail first (the mover, the uploads); then the host side, all at once
         pad, plen, glen = self.pad.copy(), self.plen.copy(), self.glen.copy()
-        knobs = {k: v.copy() for k, v in self.knobs.items()}
+        knobs = jax.tree_util.tree_map(np.copy, self.knobs)
         pad[used], plen[used], glen[used] = src.pad[slots], src.plen[slots], src.glen[slots]
         for k in ROW_KNOBS:
-            knobs[k][used] = src.knobs[k][slots]
+            getattr(knobs, k)[used] = getattr(src.knobs, k)[slots]
         put = self.gen.model.place_batch  # the gathered rows land sharded as this batch's
         state = self.gen.move_program(self.move_key(src))(self.state, src.state, put(src_of), put(take))
-        ctx = (put(pad), put(plen), {k: put(v) for k, v in knobs.items()})
+        ctx = (put(pad), put(plen), jax.tree_util.tree_map(put, knobs))
         gone = np.zeros((src.B,), bool)
         gone[slots] = True
         src_done = src.state.done | put(gone)
@@ -253,7 +253,7 @@ class RunningBatch:
         zeros = jnp.zeros(shape, self.gen.model.module.dtype)
         canvas = np.full((self.B, self.Lc), cfg.pad_id, np.int32)
         out = self._init_prefix(self.gen.model.params, put(canvas), put(self.pad), put(self.plen),
-                                put(np.zeros((self.B,), bool)), {k: put(v) for k, v in self.knobs.items()},
+                                put(np.zeros((self.B,), bool)), jax.tree_util.tree_map(put, self.knobs),
                                 (zeros, zeros), width)
         jax.block_until_ready(out)
 
@@ -326,7 +326,7 @@ class RunningBatch:
         for b in rows:
             raw = canvas[b, self.gen_start:self.gen_start + int(self.glen[b])]
             nfe = int(stats["row_nfe"][b])
-            ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs["ignore_eos"][b]))
+            ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs.ignore_eos[b]))
             out.append(RowResult(self.slots[b], ids, raw, nfe, tpf,
                                  stats["steps_per_block"][b], int(stats["edits"][b]) if "edits" in stats else None,
                                  bool((raw == cfg.mask_token_id).any()),

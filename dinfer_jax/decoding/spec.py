@@ -11,6 +11,7 @@ import math
 import numbers
 from typing import Any, Callable
 
+import flax.struct
 import numpy as np
 
 # ---- names
@@ -453,6 +454,43 @@ KNOBS = ("threshold", "low_threshold", "factor", "temperature", "cont_weight", "
 # Per-row arrays the loop reads: the knobs, plus the row's own generation length (<= spec.gen_length,
 # a multiple of the block; continuous batches mix lengths in one program, generate() does not).
 ROW_KNOBS = KNOBS + ("gen_length",)
+
+
+@flax.struct.dataclass
+class RowKnobs:
+    """The loop's per-row values, one program for all: each KNOBS field (B,) (seed uint32, the rest
+    float32); gen_length (B,) each row's region (None: the program's); allow_class (B, Lc) int32 and
+    allowed (B, C, V) bool for canvas templates (None: unconstrained). numpy on the host, jax in the loop."""
+    threshold: Any
+    low_threshold: Any
+    factor: Any
+    temperature: Any
+    cont_weight: Any
+    credit_alpha: Any
+    credit_gamma: Any
+    credit_beta: Any
+    seed: Any
+    editing_threshold: Any
+    num_to_transfer: Any
+    top_k: Any
+    top_p: Any
+    ignore_eos: Any
+    min_tokens: Any
+    alg_temp: Any
+    eps: Any
+    confidence_before_filter: Any
+    eb_threshold: Any
+    gen_length: Any = None
+    allow_class: Any = None
+    allowed: Any = None
+
+    @classmethod
+    def build(cls, value: Callable[[str], Any], names=KNOBS, **extra) -> "RowKnobs":
+        """value(name) for each of `names` (KNOBS, or ROW_KNOBS with gen_length), plus `extra` fields."""
+        return cls(**{k: value(k) for k in names}, **extra)
+
+
+assert tuple(f.name for f in dataclasses.fields(RowKnobs))[:len(ROW_KNOBS)] == ROW_KNOBS
 
 
 # ---- rows of one spec in a program of a longer region (continuous batching)

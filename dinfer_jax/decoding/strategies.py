@@ -96,11 +96,11 @@ def forbid_eos(logits_BSV, gen_pos_BS, eos_id: int, knobs):
     gen_pos_BS: generated-position index of each block position (negative inside the prompt)."""
     if eos_id < 0:
         return logits_BSV
-    forbid = (knobs["ignore_eos"][:, None] > 0) | (gen_pos_BS < knobs["min_tokens"][:, None])
+    forbid = (knobs.ignore_eos[:, None] > 0) | (gen_pos_BS < knobs.min_tokens[:, None])
     return logits_BSV.at[..., eos_id].set(jnp.where(forbid, NEG_INF, logits_BSV[..., eos_id]))
 
 
-def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, step_B, quota_B, tau_B,
+def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs, *, keys_B, step_B, quota_B, tau_B,
            credit_BSV=None):
     """One strategy step on one block per row -> (cand_BS, transfer_BS, new_credit_BSV | None).
 
@@ -111,10 +111,10 @@ def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, st
     logits = logits_BSV.astype(jnp.float32)
     new_credit = None
     if kind == "credit":
-        new_credit = credit_update(credit_BSV, logits, masked, step_B == 0, knobs["credit_gamma"],
-                                   knobs["credit_beta"])
-        logits = logits + knobs["credit_alpha"][:, None, None] * jnp.log1p(new_credit)
-    cand = gumbel_candidates(logits, knobs["temperature"], keys_B)
+        new_credit = credit_update(credit_BSV, logits, masked, step_B == 0, knobs.credit_gamma,
+                                   knobs.credit_beta)
+        logits = logits + knobs.credit_alpha[:, None, None] * jnp.log1p(new_credit)
+    cand = gumbel_candidates(logits, knobs.temperature, keys_B)
     conf = confidence(logits, cand)
     if kind in FIXED:
         if kind == "random":
@@ -124,9 +124,9 @@ def decide(kind: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, st
     if kind in ("threshold", "credit"):
         transfer = threshold_transfer(conf, eligible, tau_B)
     elif kind == "factor":
-        transfer = factor_transfer(conf, eligible, knobs["factor"])
+        transfer = factor_transfer(conf, eligible, knobs.factor)
     elif kind == "hierarchy":
-        transfer = hierarchy_transfer(conf, masked, eligible, tau_B, knobs["low_threshold"])
+        transfer = hierarchy_transfer(conf, masked, eligible, tau_B, knobs.low_threshold)
     else:
         raise ValueError(f"unknown strategy {kind!r}; choose one of {STRATEGIES}")
     # Progress guarantee when every masked argmax is the mask token.
@@ -195,12 +195,12 @@ def dream_filter(logits_BSV, temperature_B, top_p_B, top_k_B):
     return jax.lax.cond(jnp.any(top_k_B > 0), top_k, lambda l: l, l)
 
 
-def dream_decide(alg: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_B, frac_B, k_B):
+def dream_decide(alg: str, logits_BSV, x_BS, mask_id: int, knobs, *, keys_B, frac_B, k_B):
     """One step of Dream's sampler on one block per row -> (cand_BS, transfer_BS); alg origin /
     maskgit_plus / topk_margin / entropy (rules: docs/internals/decoding_loops.md, "Dream's sampler")."""
     masked = x_BS == mask_id
-    T = knobs["temperature"]
-    l = dream_filter(logits_BSV, T, knobs["top_p"], knobs["top_k"])
+    T = knobs.temperature
+    l = dream_filter(logits_BSV, T, knobs.top_p, knobs.top_k)
     logp = jax.nn.log_softmax(l, axis=-1)
     p = jnp.exp(logp)
     cand = gumbel_candidates(logp, (T > 0).astype(jnp.float32), keys_B)
@@ -217,7 +217,7 @@ def dream_decide(alg: str, logits_BSV, x_BS, mask_id: int, knobs: dict, *, keys_
     else:
         raise ValueError(f"unknown Dream alg {alg!r}; choose one of {DREAM_ALGS}")
     c = jnp.where(masked, conf, NEG_INF)
-    a = knobs["alg_temp"][:, None]
+    a = knobs.alg_temp[:, None]
 
     def noisy(_):
         g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 3), x_BS.shape[1:]))(keys_B)
