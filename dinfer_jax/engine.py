@@ -556,28 +556,26 @@ class Generator:
                 observe.unregister(oid)
         stats = jax.tree_util.tree_map(to_host, stats)
         n = len(rows)
-        if not stats["done"][:n].all():  # only with non-finite logits (e.g. a bf16 overflow)
-            warnings.warn(f"{int((~stats['done'][:n]).sum())} of {n} prompts hit the iteration bound "
+        if not stats.done[:n].all():  # only with non-finite logits (e.g. a bf16 overflow)
+            warnings.warn(f"{int((~stats.done[:n]).sum())} of {n} prompts hit the iteration bound "
                           f"({spec.max_iterations}) before every block was decoded; their output keeps mask ids",
                           RuntimeWarning, stacklevel=2)
         raw = canvas[:n, gen_start:gen_start + spec.gen_length]
         cfg = self.model.config
         out, tpf = [], []
         for b in range(n):
-            ids, t = row_output(raw[b], int(stats["row_nfe"][b]), cfg, per_row[b].ignore_eos)
+            ids, t = row_output(raw[b], int(stats.row_nfe[b]), cfg, per_row[b].ignore_eos)
             if templates is not None and templates[b] is not None:
                 ids = raw[b, :len(templates[b])].tolist()
             out.append(ids)
             tpf.append(t)
-        edits = [int(v) for v in stats["edits"][:n]] if "edits" in stats else None
-        ins, dels = ([[int(v) for v in stats[k][:n]] for k in ("inserts", "deletes")] if "inserts" in stats
-                     else (None, None))
-        subf = [int(v) for v in stats["row_sub"][:n]] if "row_sub" in stats else None
-        recs = [row_record(stats, b, len(out[b]), per_row[b].logprobs) for b in range(n)]
+        ints = lambda a: None if a is None else [int(v) for v in a[:n]]  # noqa: E731
+        edits, ins, dels, subf = ints(stats.edits), ints(stats.inserts), ints(stats.deletes), ints(stats.row_sub)
+        recs = [row_record(stats.record, b, len(out[b]), per_row[b].logprobs) for b in range(n)]
         lp = [r[1] for r in recs] if per_row[0].logprobs is not None else None
-        return GenerationResult(out, raw, [int(v) for v in stats["row_nfe"][:n]], tpf,
-                                stats["steps_per_block"][:n], int(stats["nfe_full"]), int(stats["nfe_window"]), secs,
-                                edits, ins, dels, subf, int(stats.get("nfe_partial", 0)),
+        return GenerationResult(out, raw, ints(stats.row_nfe), tpf,
+                                stats.steps_per_block[:n], int(stats.nfe_full), int(stats.nfe_window), secs,
+                                edits, ins, dels, subf, int(0 if stats.nfe_partial is None else stats.nfe_partial),
                                 [r[0] for r in recs], lp, [r[2] for r in recs] if lp is not None else None)
 
 

@@ -57,9 +57,7 @@ def generate_loop(module, params, spec: DecodeSpec, canvas_BL, pad_B, prompt_len
 
     with jax.named_scope("denoise_loop"):
         final = jax.lax.while_loop(cond, body, init(canvas_BL, active_B))
-    stats = final.stats()
-    stats.update(record_region(final, gen_start, spec.gen_length))
-    return final.x, stats
+    return final.x, final.stats().replace(record=record_region(final, gen_start, spec.gen_length))
 
 
 def refresh_rows_for(batch: int, batch_shards: int = 1) -> tuple[int, ...]:

@@ -24,9 +24,27 @@ class CommitRecord:
     top_ids: Optional[Array] = None
     top_lp: Optional[Array] = None
 
-    def present(self) -> dict[str, Array]:
-        """{name: leaf} of the leaves this record carries."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+@flax.struct.dataclass
+class LoopStats:
+    """What a finished or paused loop reports. Per row (B,): done, row_nfe; steps_per_block (B, NB);
+    batch-wide (): iters, nfe_full, nfe_window. Mode-specific (None elsewhere): nfe_partial () (cached
+    full-canvas loop), edits (B,) / nfe_commit () (block diffusion), inserts / deletes (B,) (indel),
+    row_sub (B,) (sub-block cache). record: the commit record, over the generation region once
+    `generate_loop` returns."""
+    done: Array
+    row_nfe: Array
+    steps_per_block: Array
+    iters: Array
+    nfe_full: Array
+    nfe_window: Array
+    record: Optional[CommitRecord] = None
+    nfe_partial: Optional[Array] = None
+    edits: Optional[Array] = None
+    nfe_commit: Optional[Array] = None
+    inserts: Optional[Array] = None
+    deletes: Optional[Array] = None
+    row_sub: Optional[Array] = None
 
 
 @flax.struct.dataclass
@@ -53,10 +71,11 @@ class CanvasLoopState:
     credit: Optional[Array] = None
     soft: Optional[Array] = None
 
-    def stats(self) -> dict[str, Array]:
-        """The counters a finished or paused loop reports (generate_loop's stats; GenerationResult's counters)."""
-        return dict(nfe_full=self.nfe_full, nfe_window=self.nfe_window, iters=self.iters, row_nfe=self.row_nfe,
-                    steps_per_block=self.steps_per_block, done=self.done, nfe_partial=self.nfe_partial)
+    def stats(self) -> LoopStats:
+        """The counters a finished or paused loop reports (generate_loop's; GenerationResult's counters)."""
+        return LoopStats(done=self.done, row_nfe=self.row_nfe, steps_per_block=self.steps_per_block, iters=self.iters,
+                         nfe_full=self.nfe_full, nfe_window=self.nfe_window, record=self.record,
+                         nfe_partial=self.nfe_partial)
 
 
 @flax.struct.dataclass
@@ -94,15 +113,13 @@ class BlockLoopState:
     inserts: Optional[Array] = None
     deletes: Optional[Array] = None
 
-    def stats(self) -> dict[str, Array]:
+    def stats(self) -> LoopStats:
         """As CanvasLoopState.stats: every forward here is a window (none covers the whole canvas)."""
-        out = dict(iters=self.iters, row_nfe=self.row_nfe, steps_per_block=self.steps_per_block, done=self.done,
-                   edits=self.edits, nfe_commit=self.nfe_commit, nfe_full=jnp.zeros((), jnp.int32),
-                   nfe_window=self.nfe_window + self.nfe_commit + (0 if self.nfe_sub is None else self.nfe_sub))
-        for k in ("inserts", "deletes", "row_sub"):
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        return out
+        return LoopStats(done=self.done, row_nfe=self.row_nfe, steps_per_block=self.steps_per_block, iters=self.iters,
+                         nfe_full=jnp.zeros((), jnp.int32), record=self.record,
+                         nfe_window=self.nfe_window + self.nfe_commit + (0 if self.nfe_sub is None else self.nfe_sub),
+                         edits=self.edits, nfe_commit=self.nfe_commit, inserts=self.inserts, deletes=self.deletes,
+                         row_sub=self.row_sub)
 
 
 LoopState = CanvasLoopState | BlockLoopState

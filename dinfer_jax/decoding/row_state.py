@@ -56,7 +56,7 @@ def commit_record(s, wrote_BS, tok_BS, logits_BSV, start_B, spec) -> CommitRecor
     return r
 
 
-def record_region(state, gen_start: int, gen_length: int) -> dict:
-    """A loop state's commit record over the generation region [gen_start, gen_start + gen_length)
-    of the canvas: {commit_it (B, G), commit_lp (B, G), top_ids / top_lp (B, G, N)}, those present."""
-    return {k: v[:, gen_start:gen_start + gen_length] for k, v in state.record.present().items()}
+def record_region(state, gen_start: int, gen_length: int):
+    """A loop state's CommitRecord cut to the generation region [gen_start, gen_start + gen_length)
+    of the canvas: commit_it (B, G), commit_lp (B, G), top_ids / top_lp (B, G, N), those present."""
+    return jax.tree_util.tree_map(lambda v: v[:, gen_start:gen_start + gen_length], state.record)

@@ -42,17 +42,17 @@ def row_output(raw_G, nfe: int, cfg, ignore_eos: bool = False) -> tuple[list[int
     return toks[:cut], real / max(1, nfe)
 
 
-def row_record(rec: dict, b: int, n: int, top_n: int | None):
-    """Row b's commit record (decoding/row_state.record_region, host arrays over the generation region)
-    for its first n tokens -> (commit steps, token logprobs | None, top logprobs | None); top_n:
-    the request's SamplingParams.logprobs (None: no logprobs)."""
-    steps = [int(v) for v in rec["commit_it"][b, :n]]
-    if top_n is None or "commit_lp" not in rec:
+def row_record(rec, b: int, n: int, top_n: int | None):
+    """Row b's commit record (a CommitRecord from decoding/row_state.record_region, host arrays over
+    the generation region) for its first n tokens -> (commit steps, token logprobs | None, top
+    logprobs | None); top_n: the request's SamplingParams.logprobs (None: no logprobs)."""
+    steps = [int(v) for v in rec.commit_it[b, :n]]
+    if top_n is None or rec.commit_lp is None:
         return steps, None, None
-    written = rec["commit_it"][b, :n] >= 0
-    lps = [float(v) if w else float("nan") for v, w in zip(rec["commit_lp"][b, :n], written)]
+    written = rec.commit_it[b, :n] >= 0
+    lps = [float(v) if w else float("nan") for v, w in zip(rec.commit_lp[b, :n], written)]
     tops = [[] for _ in range(n)]
     if top_n > 0:
-        ids, vals = rec["top_ids"][b, :n, :top_n], rec["top_lp"][b, :n, :top_n]
+        ids, vals = rec.top_ids[b, :n, :top_n], rec.top_lp[b, :n, :top_n]
         tops = [[(int(i), float(v)) for i, v in zip(ids[j], vals[j])] if written[j] else [] for j in range(n)]
     return steps, lps, tops

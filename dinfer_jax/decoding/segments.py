@@ -311,24 +311,26 @@ class RunningBatch:
         """Host copy of each row's decoder steps since its admission (B,) int32 (the state's `it`)."""
         return to_host(self.state.it)
 
-    def progress_record(self) -> dict:
+    def progress_record(self):
         """Host copies of the running commit record over the generation region (row_state.record_region:
         commit_it (B, G), and with logprobs commit_lp (B, G), top_ids / top_lp (B, G, N))."""
-        return {k: to_host(v) for k, v in record_region(self.state, self.gen_start, self.spec.gen_length).items()}
+        return jax.tree_util.tree_map(to_host, record_region(self.state, self.gen_start, self.spec.gen_length))
 
     def _read(self, rows: list[int]) -> list[RowResult]:
         spec, cfg = self.spec, self.cfg
         s = self.state
         canvas = to_host(s.x)
-        stats = {k: to_host(v) for k, v in s.stats().items() if k in ("row_nfe", "steps_per_block", "edits")}
+        st = s.stats()
+        stats = jax.tree_util.tree_map(to_host, (st.row_nfe, st.steps_per_block, st.edits))
+        row_nfe, steps_per_block, edits = stats
         rec = jax.tree_util.tree_map(to_host, record_region(s, self.gen_start, spec.gen_length))
         out = []
         for b in rows:
             raw = canvas[b, self.gen_start:self.gen_start + int(self.glen[b])]
-            nfe = int(stats["row_nfe"][b])
+            nfe = int(row_nfe[b])
             ids, tpf = row_output(raw, nfe, cfg, bool(self.knobs.ignore_eos[b]))
             out.append(RowResult(self.slots[b], ids, raw, nfe, tpf,
-                                 stats["steps_per_block"][b], int(stats["edits"][b]) if "edits" in stats else None,
+                                 steps_per_block[b], None if edits is None else int(edits[b]),
                                  bool((raw == cfg.mask_token_id).any()),
                                  *row_record(rec, b, len(raw), self.top_n[b])))
             self.slots[b] = None
