@@ -186,6 +186,17 @@ def from_hf_dict(hf: Mapping[str, Any], file_ids: Mapping[str, int] | None = Non
         raise ConfigError(f"{where}: {_bad_field(hf, e)}") from None
 
 
+def llama_fields(cfg: ModelConfig) -> dict:
+    """The config.json fields every Llama-style writer shares (Qwen2 / Qwen3 / Qwen3-MoE / LLaDA2
+    names): sizes, norm, RoPE, vocabulary, special ids."""
+    return dict(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+                vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+                rope_theta=cfg.rope_theta, mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id,
+                pad_token_id=cfg.pad_token_id)
+
+
 def to_hf_dict(cfg: ModelConfig) -> dict:
     """A config.json for `cfg` in its family's Hugging Face format (used by export and tests)."""
     return get(cfg.family).write_config(cfg)

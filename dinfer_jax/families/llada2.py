@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from converters.mappings import Entry
 from dinfer_jax.config import ConfigError, ModelConfig, need, partial_rotary_factor, rope_theta
-from dinfer_jax.families import Family
+from dinfer_jax.families import Family, llama_fields
 from dinfer_jax.families.llada_moe import CHAT_TEMPLATE as LLADA_MOE_CHAT_TEMPLATE
 
 # Token ids (docs/facts/llada2_and_dream.md §1.1): <|mask|> 156895, <|endoftext|> 156892 = eos = pad.
@@ -66,20 +66,16 @@ def read_config(hf, ids_for_vocab, where) -> ModelConfig:
 
 def write_config(cfg: ModelConfig) -> dict:
     out = dict(
-        architectures=["LLaDA2MoeModelLM"], model_type="llada2_moe", hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, intermediate_size=cfg.dense_intermediate_size,
+        architectures=["LLaDA2MoeModelLM"], model_type="llada2_moe", **llama_fields(cfg),
+        intermediate_size=cfg.dense_intermediate_size,
         moe_intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.num_experts_per_tok, num_shared_experts=cfg.num_shared_experts,
         first_k_dense_replace=cfg.first_k_dense, n_group=cfg.n_group, topk_group=cfg.topk_group,
         routed_scaling_factor=cfg.routed_scaling_factor, score_function="sigmoid",
         moe_router_enable_expert_bias=True, norm_topk_prob=True, router_dtype="fp32",
-        partial_rotary_factor=cfg.rotary / cfg.head_dim, rotary_dim=cfg.rotary, rope_theta=cfg.rope_theta,
-        rope_scaling=None, rms_norm_eps=cfg.rms_norm_eps, use_qk_norm=cfg.qk_norm, use_qkv_bias=False,
-        use_bias=False, use_rmsnorm=True, hidden_act="silu", vocab_size=cfg.vocab_size,
-        tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
-        pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id, mask_token_id=cfg.mask_token_id,
-        use_sliding_window=False, use_cache=False)
+        partial_rotary_factor=cfg.rotary / cfg.head_dim, rotary_dim=cfg.rotary, rope_scaling=None,
+        use_qk_norm=cfg.qk_norm, use_qkv_bias=False, use_bias=False, use_rmsnorm=True, use_sliding_window=False,
+        use_cache=False)
     if cfg.block_size != BLOCK_SIZE:
         out["block_size"] = cfg.block_size
     out.update(dict(cfg.extra_token_ids))

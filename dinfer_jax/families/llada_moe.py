@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, partial_rotary_factor, rope_theta
-from dinfer_jax.families import Family
+from dinfer_jax.families import Family, llama_fields
 
 DEFAULT_IDS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=156892, eot_token_id=None)
 
@@ -39,18 +39,12 @@ def read_config(hf, ids_for_vocab, where) -> ModelConfig:
 
 
 def write_config(cfg: ModelConfig) -> dict:
-    return dict(architectures=["LLaDAMoEModelLM"], model_type="llada", hidden_size=cfg.hidden_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+    return dict(architectures=["LLaDAMoEModelLM"], model_type="llada", **llama_fields(cfg),
                 expert_intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
                 num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
                 qk_layernorm=cfg.qk_norm, partial_rotary_factor=cfg.rotary / cfg.head_dim,
-                vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
-                max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
                 moe_layer_freq=[1] * cfg.num_layers, moe_router_score_function="softmax",
-                moe_router_enable_expert_bias=False, attention_bias=False, mask_token_id=cfg.mask_token_id,
-                eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, rms_norm_eps=cfg.rms_norm_eps,
-                rope_theta=cfg.rope_theta)
+                moe_router_enable_expert_bias=False, attention_bias=False)
 
 
 def weights(cfg: ModelConfig) -> list[Entry]:

@@ -3,6 +3,7 @@ not a family itself."""
 from __future__ import annotations
 
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
+from dinfer_jax.families import llama_fields
 
 
 def read_qwen2(hf, ids_for_vocab, where, *, max_position_default: int, sliding_window_note: str = "",
@@ -37,10 +38,5 @@ def qwen2_fields(cfg: ModelConfig, family: str, attention_mask: str, arch: str) 
         raise ConfigError(f"a {family} config needs qkv_bias, logit_shift=1, full rotary, no qk_norm, dense "
                           f"MLP, {attention_mask.replace('_', '-')} attention (the {arch} architecture)")
     return dict(
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        hidden_act="silu", vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        rope_scaling=None, tie_word_embeddings=cfg.tie_word_embeddings,
-        max_position_embeddings=cfg.max_position_embeddings, use_cache=False, use_sliding_window=False,
-        sliding_window=None, max_window_layers=cfg.num_layers, attention_dropout=0.0,
-        mask_token_id=cfg.mask_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
+        **llama_fields(cfg), intermediate_size=cfg.intermediate_size, rope_scaling=None, use_cache=False,
+        use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers, attention_dropout=0.0)

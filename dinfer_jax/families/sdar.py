@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from converters.mappings import Entry, decoder_entries
 from dinfer_jax.config import ConfigError, ModelConfig, need, rope_theta
-from dinfer_jax.families import CHATML_TEMPLATE, Family
+from dinfer_jax.families import CHATML_TEMPLATE, Family, llama_fields
 
 # [C1]: <MASK> 151669 (config.json mask_token_id), <|endoftext|> 151643 = bos = eos = pad,
 # <|im_end|> 151645 ends a chat turn (generation_config.json's first eos).
@@ -59,13 +59,9 @@ def read_config(hf, ids_for_vocab, where) -> ModelConfig:
 def write_config(cfg: ModelConfig) -> dict:
     out = dict(
         architectures=[ARCH_MOE if cfg.is_moe else ARCH_DENSE], model_type="sdar_moe" if cfg.is_moe else "sdar",
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None, attention_bias=False,
-        attention_dropout=0.0, use_sliding_window=False, sliding_window=None, vocab_size=cfg.vocab_size,
-        tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
-        block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, bos_token_id=cfg.eos_token_id,
-        eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id, use_cache=False)
+        **llama_fields(cfg), rope_scaling=None, attention_bias=False, attention_dropout=0.0,
+        use_sliding_window=False, sliding_window=None, block_size=cfg.block_size, bos_token_id=cfg.eos_token_id,
+        use_cache=False)
     if cfg.is_moe:
         out.update(moe_intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
                    num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
