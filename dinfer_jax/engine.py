@@ -19,7 +19,7 @@ from dinfer_jax.program_cache import DEFAULT_MAX_PROGRAMS, ProgramCache
 from dinfer_jax.sharding import to_host
 from dinfer_jax.decoding.prefix_cache import PrefixCache
 from dinfer_jax.decoding.loop import generate_loop, refresh_rows_for
-from dinfer_jax.decoding.rows import knob_value, row_output, row_record
+from dinfer_jax.decoding.rows import knob_value, place_row, row_output, row_record
 from dinfer_jax.decoding.spec import (DREAM, EB_THRESHOLD, KNOBS, ROW_KNOBS, SCHEDULED,
                                       SETTINGS, DecodeSpec, InvalidParam, RowKnobs, check_field, check_model,
                                       check_rules, logprob_bucket, program_spec)
@@ -483,9 +483,7 @@ class Generator:
         pad = np.full((B,), gen_start, np.int32)
         plen = np.zeros((B,), np.int32)
         for b, r in enumerate(rows):
-            canvas[b, gen_start - len(r):gen_start] = r
-            pad[b], plen[b] = gen_start - len(r), len(r)
-        canvas[:len(rows), gen_start:gen_start + spec.gen_length] = cfg.mask_token_id
+            place_row(canvas, pad, plen, b, r, gen_start, spec.gen_length, cfg.mask_token_id)
         active = np.arange(B) < len(rows)
         knobs = RowKnobs.build(lambda k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
                                                   np.uint32 if k == "seed" else np.float32), ROW_KNOBS)

@@ -1,6 +1,6 @@
-"""A decoded row on the host: its answer ids (cut at the first stop id), tokens per forward, its
-commit record, and the per-row knob values a SamplingParams puts into the loop. Used by engine.py,
-decoding/segments.py and the server alike."""
+"""A row on the host: its prompt laid out on the canvas, the per-row knob values a SamplingParams
+puts into the loop, and once decoded its answer ids (cut at the first stop id), tokens per forward
+and commit record. Used by engine.py, decoding/segments.py and the server alike."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,6 +9,15 @@ import numpy as np
 
 if TYPE_CHECKING:  # annotations only (engine imports this module)
     from dinfer_jax.engine import SamplingParams
+
+
+def place_row(canvas, pad, plen, b: int, ids, gen_start: int, gen_length: int, mask_id: int):
+    """Lay prompt `ids` out as row b of a canvas (B, Lc): left-padded to end at gen_start, then
+    gen_length masks; pad[b] / plen[b] its left pad and prompt length (all host arrays, in place)."""
+    n = len(ids)
+    canvas[b, gen_start - n:gen_start] = ids
+    canvas[b, gen_start:gen_start + gen_length] = mask_id
+    pad[b], plen[b] = gen_start - n, n
 
 
 def knob_value(p: SamplingParams, k: str) -> float:

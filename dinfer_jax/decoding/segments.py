@@ -16,7 +16,7 @@ from dinfer_jax.cache import cache_shape
 from dinfer_jax.decoding.loop import loop_functions
 from dinfer_jax.decoding.spec import ROW_KNOBS, DecodeSpec, RowKnobs, same_program
 from dinfer_jax.decoding.row_state import record_region
-from dinfer_jax.decoding.rows import knob_value, row_output, row_record
+from dinfer_jax.decoding.rows import knob_value, place_row, row_output, row_record
 from dinfer_jax.sharding import to_host
 
 def abstract_state(state):
@@ -148,9 +148,8 @@ class RunningBatch:
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the batch's bucket ({self.gen_start})")
         for (tag, ids, sp), b in zip(items, free):
             glen = min(sp.gen_length, spec.gen_length)
-            canvas[b, self.gen_start - len(ids):self.gen_start] = ids
-            canvas[b, self.gen_start:self.gen_start + glen] = cfg.mask_token_id
-            self.pad[b], self.plen[b], self.glen[b] = self.gen_start - len(ids), len(ids), glen
+            place_row(canvas, self.pad, self.plen, b, ids, self.gen_start, glen, cfg.mask_token_id)
+            self.glen[b] = glen
             for k in ROW_KNOBS:
                 getattr(self.knobs, k)[b] = knob_value(sp, k)
             self.knobs.gen_length[b] = glen
