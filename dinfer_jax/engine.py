@@ -380,13 +380,15 @@ class Generator:
                 rb.compile_prefix_prefill(w)
                 self._warm.add(("segments", spec, gen_start, batch, w))
 
-    def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int, gen_length: int | None = None):
+    def running_batch(self, params: SamplingParams, batch: int, max_prompt_len: int, gen_length: int | None = None,
+                      background=None):
         """An empty continuous batch (decoding/segments.RunningBatch) of `batch` slots for prompts of
         at most max_prompt_len tokens decoded with params' compiled settings (knobs may differ per
         row). gen_length: the program's generation region (default params.gen_length); rows of any
-        gen_length up to it may join."""
+        gen_length up to it may join. background: RunningBatch's compile hook (the server's thread)."""
         from dinfer_jax.decoding.segments import RunningBatch
-        return RunningBatch(self, *self.running_batch_key(params, batch, max_prompt_len, gen_length))
+        return RunningBatch(self, *self.running_batch_key(params, batch, max_prompt_len, gen_length),
+                            background=background)
 
     def running_batch_key(self, params: SamplingParams, batch: int, max_prompt_len: int,
                           gen_length: int | None = None) -> tuple:

@@ -347,7 +347,7 @@ def test_a_new_length_compiles_without_delaying_warmed_lengths():
         def recorded_place(j, free, new_batches):
             rb = real_place(j, free, new_batches)
             if rb is not None:
-                placed.append((j.params.gen_length, rb.compiling is not None and not rb.compiling.done()))
+                placed.append((j.params.gen_length, not batcher._book(rb).ready()))
             return rb
         batcher._place = recorded_place
         # Twice seen in full `-n 2` CI runs (never alone): the new length ran with no compile at all

@@ -85,7 +85,8 @@ class RunningBatch:
     """B slots decoding under one DecodeSpec and prompt bucket (module doc). Not thread safe: one
     scheduler thread drives it."""
 
-    def __init__(self, generator, spec: DecodeSpec, gen_start: int, batch: int, use_prefix_cache: bool = True):
+    def __init__(self, generator, spec: DecodeSpec, gen_start: int, batch: int, use_prefix_cache: bool = True,
+                 background=None):
         self.gen, self.spec, self.gen_start, self.B = generator, spec, gen_start, batch
         cfg = generator.model.config
         self.cfg = cfg
@@ -100,14 +101,9 @@ class RunningBatch:
         self._init, self._segment, self._merge, self._init_prefix = generator.segment_programs(spec, gen_start, batch)
         pc = getattr(generator, "prefix_cache", None)
         self.prefix_cache = pc if use_prefix_cache and pc is not None and pc.enabled and spec.cache == "block" else None
-        # The server's compile thread: when set, a prefix prefill width not yet compiled is compiled
+        # The server's compile thread: when given, a prefix prefill width not yet compiled is compiled
         # there (background(spec, gen_start, B, width)) and this admission prefills in full instead.
-        self.background = None
-        # The scheduler's bookkeeping (serving/continuous.py): jobs assigned while the programs
-        # compile, the Future of that compile (None: ready), and whether the batch failed.
-        self.waiting: list = []
-        self.compiling = None
-        self.failed = False
+        self.background = background
         self._keys: dict[int, list] = {}
         self.state = None
         self.segments = 0
@@ -288,6 +284,12 @@ class RunningBatch:
         out = self._read(list(slots))
         self.evict(slots)
         return out
+
+    def abandon(self) -> list:
+        """Drop every row and the state (after a failed program or admission: the state is not
+        trusted) -> the slots' tags as they were (None for free slots)."""
+        tags, self.slots, self.state = self.slots, [None] * self.B, None
+        return tags
 
     def evict(self, slots: list[int]):
         """Stop decoding the rows in `slots` (their requests were cancelled or timed out): they are

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -44,6 +46,18 @@ def repack_size(rows: int, queued: int, slots: list[int], max_batch: int) -> int
     return size if sum(slots) >= 2 * size or (len(slots) > 1 and sum(slots) >= size) else None
 
 
+@dataclasses.dataclass(eq=False)
+class Booking:
+    """The scheduler's bookkeeping of one RunningBatch: jobs assigned to it while its programs
+    compile, the Future of that compile (None: ready), and whether it failed (then dropped)."""
+    waiting: list = dataclasses.field(default_factory=list)
+    compiling: Optional[concurrent.futures.Future] = None
+    failed: bool = False
+
+    def ready(self) -> bool:
+        return self.compiling is None or self.compiling.done()
+
+
 class ContinuousBatcher(Scheduler):
     """Continuous batching over RunningBatches (module doc). One scheduler thread."""
     EXTRA_STATS = ("segments", "admitted", "background_compiles", "waiting_for_compile", "evicted", "stopped_early",
@@ -54,12 +68,20 @@ class ContinuousBatcher(Scheduler):
         block_causal = generator.model.config.attention_mask == "block_causal"  # the only exact reuse
         generator.set_prefix_cache(int(cfg.prefix_cache_mb * 2 ** 20) if block_causal else 0)
         self.batches: list = []
+        self._books: dict = {}  # RunningBatch -> Booking (the scheduler's, not the batch's)
         self.templated: list = []  # jobs with a canvas template: decoded as whole static batches (module doc)
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dinfer-compile")
         self._compiling: dict = {}  # program key -> Future (background compiles)
         self._compile_started: dict = {}  # program key -> monotonic start (the watchdog reads it)
         self._move_failed: set = set()  # row mover keys that failed to compile or run (not retried)
         super().__init__(generator, tokenizer, cfg)  # starts the scheduler thread (it idles until a submit)
+
+    def _book(self, rb) -> Booking:
+        """rb's Booking (made on first use)."""
+        b = self._books.get(rb)
+        if b is None:
+            b = self._books[rb] = Booking()
+        return b
 
     # ---- background compilation (the compile thread)
 
@@ -101,7 +123,7 @@ class ContinuousBatcher(Scheduler):
         late = {k for k, t0 in list(self._compile_started.items()) if now - t0 > self.cfg.compile_watchdog_s}
         for rb in list(self.batches):
             key = (rb.spec, rb.gen_start, rb.B, None)
-            waiting = [j for j in list(rb.waiting) if not j.answered]
+            waiting = [j for j in list(self._book(rb).waiting) if not j.answered]
             if key in late and waiting:
                 with self.cond:
                     self.stats["compile_timeouts"] += 1
@@ -121,11 +143,13 @@ class ContinuousBatcher(Scheduler):
 
     def idle(self) -> bool:
         with self.cond:
-            return not self.pending and not any(rb.running or rb.waiting for rb in self.batches) and self.busy is None
+            return not self.pending and not any(rb.running or self._book(rb).waiting for rb in self.batches) \
+                and self.busy is None
 
     def _running_batch(self, params, size, max_prompt_len, gen_length=None):
         """An empty RunningBatch for prompts up to max_prompt_len, built for their prompt bucket."""
-        return self.gen.running_batch(params, size, *self._bucketed(params, max_prompt_len, gen_length))
+        return self.gen.running_batch(params, size, *self._bucketed(params, max_prompt_len, gen_length),
+                                      background=self._compile_async)
 
     def _bucketed(self, params, max_prompt_len, gen_length):
         head_room = params.spec_for(self.gen.model.config).head_room
@@ -141,9 +165,8 @@ class ContinuousBatcher(Scheduler):
 
     def _adopt(self, rb):
         """A new RunningBatch made ready for the scheduler (its programs compiled in the background)."""
-        rb.background = self._compile_async
         if not self.gen.segment_programs_ready(rb.spec, rb.gen_start, rb.B):
-            rb.compiling = self._compile_async(rb.spec, rb.gen_start, rb.B)
+            self._book(rb).compiling = self._compile_async(rb.spec, rb.gen_start, rb.B)
         return rb
 
     # ---- --warmup (Scheduler._main calls these before the first job)
@@ -188,7 +211,7 @@ class ContinuousBatcher(Scheduler):
         [(job, exception)] for jobs that cannot be planned at all: they fail alone)."""
         self._drop(self._purge_locked())  # cancelled / expired jobs never start (Scheduler)
         plan = collections.OrderedDict()  # id(batch) -> (batch, jobs)
-        free = {id(rb): len(rb.free) - len(rb.waiting) for rb in self.batches}
+        free = {id(rb): len(rb.free) - len(self._book(rb).waiting) for rb in self.batches}
         rest, new_batches, bad = collections.deque(), [], []
         while self.pending:
             j = self.pending.popleft()
@@ -221,7 +244,7 @@ class ContinuousBatcher(Scheduler):
         running that program (under load batches grow; a lone request gets a batch of one)."""
         n = len(j.prompt_ids)
         fits = [rb for rb in self.batches + new_batches if rb.accepts(j.key) and rb.fits(n) and free[id(rb)] > 0]
-        ready = [rb for rb in fits if rb.compiling is None or rb.compiling.done()]
+        ready = [rb for rb in fits if self._book(rb).ready()]
         if ready:
             return min(ready, key=lambda r: r.gen_start)
         if len(self.batches) + len(new_batches) < self.max_programs:
@@ -247,7 +270,7 @@ class ContinuousBatcher(Scheduler):
 
     def _has_work(self) -> bool:
         return bool(self.pending) or bool(self.templated) or any(
-            rb.running or (rb.waiting and (rb.compiling is None or rb.compiling.done())) for rb in self.batches)
+            rb.running or (self._book(rb).waiting and self._book(rb).ready()) for rb in self.batches)
 
     def _run(self):
         while True:
@@ -261,7 +284,7 @@ class ContinuousBatcher(Scheduler):
             for j, e in bad:
                 self._fail([j], e)
             for rb, jobs in plan:  # a batch whose programs are still compiling keeps them aside
-                rb.waiting += jobs
+                self._book(rb).waiting += jobs
             for rb in list(self.batches):
                 try:
                     self._admit_waiting(rb)
@@ -278,9 +301,11 @@ class ContinuousBatcher(Scheduler):
                         self._fail_batch(rb, e)
             self._repack()
             with self.cond:
-                self.batches = [rb for rb in self.batches if (rb.running or rb.waiting) and not rb.failed]
+                self.batches = [rb for rb in self.batches
+                                if (rb.running or self._book(rb).waiting) and not self._book(rb).failed]
+                self._books = {rb: self._books[rb] for rb in self.batches if rb in self._books}
                 self.stats["running_rows"] = sum(rb.running for rb in self.batches)
-                self.stats["waiting_for_compile"] = sum(len(rb.waiting) for rb in self.batches)
+                self.stats["waiting_for_compile"] = sum(len(self._book(rb).waiting) for rb in self.batches)
 
     def _repack(self):
         """Size programs to their rows (a B-slot program computes all B rows whatever the number
@@ -300,7 +325,7 @@ class ContinuousBatcher(Scheduler):
             return
         groups = collections.OrderedDict()
         for rb in self.batches:
-            if rb.running and not rb.waiting and not rb.failed and rb.state is not None:
+            if rb.running and not self._book(rb).waiting and not self._book(rb).failed and rb.state is not None:
                 groups.setdefault((rb.spec, rb.gen_start), []).append(rb)
         for (spec, gen_start), group in groups.items():
             rows = sum(rb.running for rb in group)
@@ -332,7 +357,7 @@ class ContinuousBatcher(Scheduler):
                                         abstract_state(rb.state))
                 continue
             if target is None:
-                target = self._adopt(RunningBatch(self.gen, spec, gen_start, size))
+                target = self._adopt(RunningBatch(self.gen, spec, gen_start, size, background=self._compile_async))
                 with self.cond:
                     self.batches.append(target)
                     self.stats["batches"] += 1
@@ -397,8 +422,9 @@ class ContinuousBatcher(Scheduler):
     def _fail_batch(self, rb, exc: Exception):
         """A batch whose program or admission failed: its rows and waiting jobs fail, it is dropped
         (its state is not trusted); a failed compile is retried by the next batch of its kind."""
-        jobs = [j for j in rb.slots + rb.waiting if j is not None]
-        rb.slots, rb.waiting, rb.state, rb.failed = [None] * rb.B, [], None, True
+        book = self._book(rb)
+        jobs = [j for j in rb.abandon() + book.waiting if j is not None]
+        book.waiting, book.failed = [], True
         with self.cond:
             self._compiling.pop((rb.spec, rb.gen_start, rb.B, None), None)
         self._fail(jobs, exc)
@@ -411,12 +437,13 @@ class ContinuousBatcher(Scheduler):
             self.batches = []
 
     def _admit_waiting(self, rb):
-        if not rb.waiting or (rb.compiling is not None and not rb.compiling.done()):
+        book = self._book(rb)
+        if not book.waiting or not book.ready():
             return
-        jobs, rb.waiting = rb.waiting, []
-        if rb.compiling is not None and rb.compiling.exception() is not None:
-            rb.waiting = jobs
-            self._fail_batch(rb, rb.compiling.exception())  # the next batch of this kind tries again
+        jobs, book.waiting = book.waiting, []
+        if book.compiling is not None and book.compiling.exception() is not None:
+            book.waiting = jobs
+            self._fail_batch(rb, book.compiling.exception())  # the next batch of this kind tries again
             return
         gone = [j for j in jobs if j.cancelled]
         live = [j for j in jobs if not j.cancelled]
@@ -489,7 +516,7 @@ class ContinuousBatcher(Scheduler):
     def _cancel_all(self):
         exc = RuntimeError("the server is shutting down")
         for rb in self.batches:
-            for j in rb.slots + rb.waiting:
+            for j in rb.slots + self._book(rb).waiting:
                 if j is not None:
                     self._finish(j, exc=exc)
         self._compiler.shutdown(wait=False, cancel_futures=True)
