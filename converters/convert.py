@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from converters import diffusion_gemma
 from converters.hf_import import iter_params, open_checkpoint
 from converters.mappings import fused_groups, table
-from converters.safetensors_io import parse_size, plan_shards, shard_file_names, write_file
+from converters.safetensors_io import parse_size, write_sharded
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, check_destination, sigint_deferred
 from dinfer_jax.families import to_hf_dict
@@ -129,10 +129,6 @@ class _HFTensors:
             for entry, _, _ in parts:
                 self.slabs.pop(entry.path, None)
 
-    def nbytes(self, name: str) -> int:
-        dt, shape = self.specs[name]
-        return int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-
 
 def _export_into(src: str, dst: str, cfg, man: dict, progress: bool, max_bytes: int) -> list[str]:
     with open(os.path.join(src, "config.json")) as f:
@@ -141,8 +137,6 @@ def _export_into(src: str, dst: str, cfg, man: dict, progress: bool, max_bytes: 
         hf_config = {**hf_config, "architectures": to_hf_dict(cfg)["architectures"]}
         hf_config.pop("auto_map", None)
     tensors = _HFTensors(src, cfg, man)
-    shards = plan_shards([(name, tensors.nbytes(name)) for name in tensors.specs], max_bytes)
-    files = shard_file_names(len(shards))
     bar = tqdm(total=len(tensors.specs), desc="export", unit="tensor", disable=not progress)
 
     def produce(name):
@@ -151,17 +145,8 @@ def _export_into(src: str, dst: str, cfg, man: dict, progress: bool, max_bytes: 
         bar.update()
         return arr
 
-    weight_map = {}
-    for fname, names in zip(files, shards):  # one shard file at a time, each tensor streamed into it
-        write_file(os.path.join(dst, fname), produce, metadata={"format": "pt"},
-                   specs={name: tensors.specs[name] for name in names}, sort=False)
-        weight_map.update(dict.fromkeys(names, fname))
+    files = write_sharded(dst, tensors.specs, produce, max_bytes)
     bar.close()
-    if len(files) > 1:
-        total = sum(tensors.nbytes(name) for name in weight_map)
-        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
-                      indent=1)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     ckpt.copy_side_files(src, dst)

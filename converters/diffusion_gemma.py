@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from converters.safetensors_io import plan_shards, shard_file_names, write_file
+from converters.safetensors_io import write_sharded
 from converters.sources import open_source
 from dinfer_jax import checkpoint as ckpt
 from dinfer_jax.atomic import atomic_folder, sigint_deferred
@@ -70,20 +70,8 @@ def export(src: str, dst: str, progress: bool, overwrite: bool, max_bytes: int) 
         return current[group].pop(name)
 
     with atomic_folder(dst, overwrite) as tmp:
-        shards = plan_shards([(n, int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize) for n, (d, s) in specs.items()],
-                             max_bytes)
-        files = shard_file_names(len(shards))
-        weight_map = {}
-        for fname, names in zip(files, shards):
-            write_file(os.path.join(tmp, fname), produce, metadata={"format": "pt"},
-                       specs={n: specs[n] for n in names}, sort=False)
-            weight_map.update(dict.fromkeys(names, fname))
+        files = write_sharded(tmp, specs, produce, max_bytes)
         bar.close()
-        if len(files) > 1:
-            total = sum(int(np.prod(specs[n][1], dtype=np.int64)) * np.dtype(specs[n][0]).itemsize for n in weight_map)
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
-                          indent=1)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         ckpt.copy_side_files(src, tmp)

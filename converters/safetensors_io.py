@@ -160,3 +160,22 @@ def write_file(path: str, tensors: "dict[str, np.ndarray] | list[tuple[str, call
             if arr.dtype != dt or arr.shape != shape:
                 raise ConversionError(f"write {k}: got {arr.dtype}{arr.shape}, declared {dt}{shape}")
             f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+
+
+def write_sharded(folder: str, specs: dict, produce, max_bytes: int) -> list[str]:
+    """Write tensors as save_pretrained lays them out: shards of at most `max_bytes` (plan_shards,
+    shard_file_names), each tensor made by produce(name) as it is written, in `specs` order ({name:
+    (dtype, shape)}), and model.safetensors.index.json when there are several. -> the file names."""
+    sizes = {n: int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for n, (dt, shape) in specs.items()}
+    shards = plan_shards(list(sizes.items()), max_bytes)
+    files = shard_file_names(len(shards))
+    weight_map = {}
+    for fname, names in zip(files, shards):  # one shard file at a time, each tensor streamed into it
+        write_file(os.path.join(folder, fname), produce, metadata={"format": "pt"},
+                   specs={n: specs[n] for n in names}, sort=False)
+        weight_map.update(dict.fromkeys(names, fname))
+    if len(files) > 1:
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(sizes[n] for n in weight_map)},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    return files
