@@ -276,7 +276,7 @@ def test_constrained_program_compiles_for_tpu():
     model = abstract_model(preset("tiny"), "tpu", dtype=jnp.bfloat16, mesh=plan.topology_mesh(topo, None))
     prog, args, spec, _ = model.generator.abstract_program(2, 8, SamplingParams(gen_length=32, block_length=16),
                                                            constraint_classes=8)
-    assert spec.constraint_classes == 8 and args[5]["allowed"].shape == (2, 8, model.config.vocab_size)
+    assert spec.constraint_classes == 8 and args[5].allowed.shape == (2, 8, model.config.vocab_size)
     hlo = prog.lower(*args).compile().as_text()
     assert plan.host_callbacks(plan.hlo_instructions(hlo)) == 0
 
