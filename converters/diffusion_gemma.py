@@ -50,9 +50,10 @@ def export(src: str, dst: str, progress: bool, overwrite: bool, max_bytes: int) 
     cfg, _ = dg.config_from_hf(hf_config)
     man = ckpt.read_manifest(src)
     stored = {p: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for p, s in man["params"].items()}
+    paths = {g: [p for p in stored if p.split("/")[0] in dg.group_keys(g)] for g in dg.groups(cfg)}
     specs, group_of = {}, {}
     for group in dg.groups(cfg):
-        abstract = unflatten({p: v for p, v in stored.items() if p.split("/")[0] in dg.group_keys(group)})
+        abstract = unflatten({p: stored[p] for p in paths[group]})
         for name, sds in jax.eval_shape(lambda t, g=group: dg.group_to_hf(t, cfg, g), abstract).items():
             specs[name], group_of[name] = (sds.dtype, sds.shape), group
     current: dict = {}
@@ -63,8 +64,7 @@ def export(src: str, dst: str, progress: bool, overwrite: bool, max_bytes: int) 
         if group not in current:
             current.clear()
             with sigint_deferred():
-                tree = unflatten({p: ckpt.read_param(src, p, None, None, man) for p in stored
-                                  if p.split("/")[0] in dg.group_keys(group)})
+                tree = unflatten({p: ckpt.read_param(src, p, None, None, man) for p in paths[group]})
             current[group] = {k: np.asarray(v) for k, v in dg.group_to_hf(tree, cfg, group).items()}
         bar.update()
         return current[group].pop(name)

@@ -154,7 +154,7 @@ def segment_program_args(model, *, batch: int, prompt_len: int, sampling, prefix
     init, segment, _, init_prefix = model.generator.segment_programs(spec, gen_start, batch)
     sd = jax.ShapeDtypeStruct
     row = lambda dt: sd((batch,), dt, sharding=model.batch_sharding((batch,)))
-    knobs = RowKnobs.build(lambda k: row(jnp.uint32 if k == "seed" else jnp.float32), ROW_KNOBS)
+    knobs = RowKnobs.build(lambda k, dt: row(dt), ROW_KNOBS)
     params = model.abstract_params()
     args = (params, sd((batch, Lc), jnp.int32, sharding=model.batch_sharding((batch, Lc))), row(jnp.int32),
             row(jnp.int32), row(jnp.bool_), knobs)

@@ -427,7 +427,7 @@ class Generator:
         m, B = self.model, shape.batch
         sd = jax.ShapeDtypeStruct
         row = lambda dt: sd((B,), dt, sharding=m.batch_sharding((B,)))
-        knobs = RowKnobs.build(lambda k: row(np.uint32 if k == "seed" else np.float32), ROW_KNOBS)
+        knobs = RowKnobs.build(lambda k, dt: row(dt), ROW_KNOBS)
         if constraint_classes:
             V = m.config.vocab_size
             knobs = knobs.replace(
@@ -487,8 +487,8 @@ class Generator:
         for b, r in enumerate(rows):
             place_row(canvas, pad, plen, b, r, gen_start, spec.gen_length, cfg.mask_token_id)
         active = np.arange(B) < len(rows)
-        knobs = RowKnobs.build(lambda k: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
-                                                  np.uint32 if k == "seed" else np.float32), ROW_KNOBS)
+        knobs = RowKnobs.build(lambda k, dt: np.array([knob_value(per_row[min(b, len(rows) - 1)], k) for b in range(B)],
+                                                      dt), ROW_KNOBS)
         if n_classes:
             knobs = knobs.replace(allow_class=np.zeros((B, shape.canvas_length), np.int32),
                                   allowed=np.ones((B, spec.constraint_classes, cfg.vocab_size), bool))

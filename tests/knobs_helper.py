@@ -10,5 +10,5 @@ def row_knobs(batch: int = 1, **values):
     from dinfer_jax.decoding.spec import RowKnobs
     from dinfer_jax.engine import SamplingParams
     p = SamplingParams()
-    base = RowKnobs.build(lambda k: jnp.full((batch,), knob_value(p, k), jnp.uint32 if k == "seed" else jnp.float32))
+    base = RowKnobs.build(lambda k, dt: jnp.full((batch,), knob_value(p, k), dt))
     return base.replace(**{k: jnp.asarray(v) for k, v in values.items()})

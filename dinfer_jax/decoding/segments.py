@@ -94,7 +94,7 @@ class RunningBatch:
         self.slots: list[Any] = [None] * batch  # request tag per slot (None: free)
         self.pad = np.full((batch,), gen_start, np.int32)
         self.plen = np.zeros((batch,), np.int32)
-        self.knobs = RowKnobs.build(lambda k: np.zeros((batch,), np.uint32 if k == "seed" else np.float32), ROW_KNOBS)
+        self.knobs = RowKnobs.build(lambda k, dt: np.zeros((batch,), dt), ROW_KNOBS)
         self.knobs.threshold[:] = 1.0
         self.glen = np.full((batch,), spec.gen_length, np.int32)  # each slot's own gen_length
         self.top_n: list[int | None] = [None] * batch  # each slot's SamplingParams.logprobs

@@ -485,9 +485,10 @@ class RowKnobs:
     allowed: Any = None
 
     @classmethod
-    def build(cls, value: Callable[[str], Any], names=KNOBS, **extra) -> "RowKnobs":
-        """value(name) for each of `names` (KNOBS, or ROW_KNOBS with gen_length), plus `extra` fields."""
-        return cls(**{k: value(k) for k in names}, **extra)
+    def build(cls, value: Callable[[str, Any], Any], names=KNOBS, **extra) -> "RowKnobs":
+        """value(name, dtype) for each of `names` (KNOBS, or ROW_KNOBS with gen_length), dtype the
+        knob's (uint32 for seed, float32 otherwise), plus `extra` fields."""
+        return cls(**{k: value(k, np.uint32 if k == "seed" else np.float32) for k in names}, **extra)
 
 
 assert tuple(f.name for f in dataclasses.fields(RowKnobs))[:len(ROW_KNOBS)] == ROW_KNOBS

@@ -292,8 +292,8 @@ def load(folder, dtype=None, mesh=None) -> "DiffusionGemma":
     dtype = (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16) if dtype is None else dtype
     if ckpt.is_checkpoint(folder):  # `dinfer-jax convert`'s output: each param restored into its sharding
         man = ckpt.read_manifest(folder)
-        shardings = {} if mesh is None else flatten(param_shardings(cfg, mesh, dtype))
-        expected = flatten(abstract_params(cfg, dtype))
+        expected = flatten(abstract_params(cfg, dtype, mesh))  # one eval_shape: paths and shardings
+        shardings = {} if mesh is None else {p: sds.sharding for p, sds in expected.items()}
         if set(man["params"]) != set(expected):
             raise ValueError(f"{folder}: the checkpoint's params do not match its config.json (missing "
                              f"{sorted(set(expected) - set(man['params']))[:3]}, unexpected "
